@@ -1,0 +1,193 @@
+"""Command line.
+
+    python -m cupyflash [--batch 4 --seqlen 4096 --heads 16 --head-dim 128 --dtype float16 --causal]
+        Runs attention on the GPU, checks a slice against the float64 reference, and prints time,
+        TFLOP/s, and speed-up and peak extra memory against standard CuPy attention. With no GPU,
+        runs the NumPy tiled fallback on a small problem instead.
+
+    python -m cupyflash check-kernels [--arch sm_80 --arch sm_90a] [--dtype float16 ...]
+        Compiles every kernel instantiation with NVRTC (no GPU needed), prints registers, shared
+        memory and spills per kernel, and exits non-zero on a compile failure or a spill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy
+
+from cupyflash import _instantiations as inst
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["check-kernels"]:
+        return check_kernels(argv[1:])
+    return run(argv)
+
+
+# --------------------------------------------------------------------------- check-kernels
+
+
+def check_kernels(argv) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupyflash check-kernels")
+    parser.add_argument("--arch", action="append", help="e.g. sm_80, sm_90a (repeatable; default both)")
+    parser.add_argument("--dtype", action="append", choices=inst.DTYPE_NAMES, help="only these dtypes")
+    parser.add_argument("--allow-spills", action="store_true", help="do not fail on local-memory spills")
+    args = parser.parse_args(argv)
+    from cupyflash import _compile
+
+    archs = args.arch or ["sm_80", "sm_90a"]
+    kernels = [k for k in inst.all_fwd_kernels() if not args.dtype or k.dtype_name in args.dtype]
+    failed = spilled = 0
+    print(f"{'arch':7} {'regs':>4} {'smem B':>7} {'stack':>5} {'spill st/ld':>11}  kernel")
+    for arch in archs:
+        for dtype_name in sorted({k.dtype_name for k in kernels}):
+            group = [k for k in kernels if k.dtype_name == dtype_name]
+            start = time.perf_counter()
+            try:
+                reports = _compile.compile_offline(group, arch)
+            except RuntimeError as e:
+                print(f"{arch}: FAILED to compile {dtype_name} kernels:\n{e}")
+                failed += len(group)
+                continue
+            for r in reports:
+                spill = r.spill_store_bytes + r.spill_load_bytes
+                spilled += spill > 0
+                flag = "  <-- SPILLS" if spill else ""
+                print(
+                    f"{r.arch:7} {r.registers:4d} {r.smem_bytes:7d} {r.stack_bytes:5d} "
+                    f"{r.spill_store_bytes:5d}/{r.spill_load_bytes:<5d}  {r.name_expression}{flag}"
+                )
+            print(f"# {arch} {dtype_name}: {len(group)} kernels in {time.perf_counter() - start:.1f} s")
+    total = len(kernels) * len(archs)
+    print(f"{total - failed} of {total} kernel builds compiled; {spilled} spill")
+    return 1 if failed or (spilled and not args.allow_spills) else 0
+
+
+# --------------------------------------------------------------------------- the demo run
+
+
+def run(argv) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seqlen", type=int, default=4096, help="seqlen_q (and seqlen_k unless given)")
+    parser.add_argument("--seqlen-k", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="float16", choices=inst.DTYPE_NAMES)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--repeat", type=int, default=30, help="timed runs (median reported)")
+    args = parser.parse_args(argv)
+
+    from cupyflash._attention import gpu_available
+
+    if not gpu_available():
+        print("No CUDA GPU available (cupy.cuda.is_available() is False): running the NumPy tiled fallback on a small problem.")
+        return _run_cpu(args)
+    return _run_gpu(args)
+
+
+def _numpy_dtype(name):
+    from cupyflash._validation import BFLOAT16
+
+    return BFLOAT16 if name == "bfloat16" else numpy.dtype(name)
+
+
+def _run_cpu(args) -> int:
+    from cupyflash import reference
+
+    b, s, h, d = 1, 256, 2, min(args.head_dim, 64)
+    rng = numpy.random.default_rng(0)
+    q, k, v = (rng.standard_normal((b, s, h, d)).astype(numpy.float32) for _ in range(3))
+    start = time.perf_counter()
+    out = reference.tiled_attention(q, k, v, causal=args.causal)
+    elapsed = time.perf_counter() - start
+    err = numpy.abs(out - reference.attention(q, k, v, causal=args.causal)).max()
+    print(f"tiled NumPy attention, batch {b}, seqlen {s}, heads {h}, head_dim {d}, causal={args.causal}: "
+          f"{elapsed * 1e3:.1f} ms, max |error| vs reference {err:.2e}")
+    return 0 if err < 1e-10 else 1
+
+
+def _peak_extra_bytes(fn):
+    """High-water mark of CuPy pool memory allocated while fn runs (outputs included)."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.runtime.deviceSynchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    result = fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    peak = pool.total_bytes() - before
+    del result
+    pool.free_all_blocks()
+    return peak
+
+
+def _median_ms(fn, repeat):
+    from cupyx.profiler import benchmark
+
+    timing = benchmark(fn, (), n_repeat=repeat, n_warmup=3)
+    return float(numpy.median(timing.gpu_times[0])) * 1e3
+
+
+def _run_gpu(args) -> int:
+    import cupy
+
+    import cupyflash
+    from cupyflash import reference, standard
+
+    sk = args.seqlen_k or args.seqlen
+    b, sq, h, d = args.batch, args.seqlen, args.heads, args.head_dim
+    dtype = _numpy_dtype(args.dtype)
+    device = cupy.cuda.Device()
+    name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode()
+    print(f"{name}: batch {b}, seqlen_q {sq}, seqlen_k {sk}, heads {h}, head_dim {d}, {args.dtype}, causal={args.causal}")
+
+    rs = cupy.random.default_rng(0)
+    q = rs.standard_normal((b, sq, h, d), dtype=numpy.float32).astype(dtype)
+    k = rs.standard_normal((b, sk, h, d), dtype=numpy.float32).astype(dtype)
+    v = rs.standard_normal((b, sk, h, d), dtype=numpy.float32).astype(dtype)
+
+    start = time.perf_counter()
+    out = cupyflash.attention(q, k, v, causal=args.causal)
+    cupy.cuda.runtime.deviceSynchronize()
+    print(f"first call (compile or load from cache + run): {time.perf_counter() - start:.2f} s")
+
+    # Correctness: batch 0, head 0, every query against the float64 reference.
+    qs, ks, vs = (x[:1, :, :1].get() for x in (q, k, v))
+    ref = reference.attention(qs, ks, vs, causal=args.causal)
+    lowp = reference.attention_in_precision(qs, ks, vs, dtype, causal=args.causal)
+    got = out[:1, :, :1].get().astype(numpy.float64)
+    err = float(numpy.abs(got - ref).max())
+    bound = reference.error_bound(ref, lowp, args.dtype)
+    ok = bool(numpy.isfinite(got).all()) and err <= bound
+    print(f"check vs float64 reference (batch 0, head 0, all {sq} queries): max |error| {err:.3e}, "
+          f"bound {bound:.3e} -> {'PASS' if ok else 'FAIL'}")
+
+    flops = standard.flops(b, h, sq, sk, d, args.causal)
+    t_flash = _median_ms(lambda: cupyflash.attention(q, k, v, causal=args.causal), args.repeat)
+    m_flash = _peak_extra_bytes(lambda: cupyflash.attention(q, k, v, causal=args.causal))
+    rows = [("cupyflash.attention", t_flash, m_flash)]
+    try:
+        t_std = _median_ms(lambda: standard.standard_attention(q, k, v, causal=args.causal), args.repeat)
+        m_std = _peak_extra_bytes(lambda: standard.standard_attention(q, k, v, causal=args.causal))
+        rows.append(("standard attention (CuPy)", t_std, m_std))
+    except cupy.cuda.memory.OutOfMemoryError as e:
+        print(f"standard attention (CuPy): out of device memory ({e}); no comparison")
+    except (TypeError, NotImplementedError) as e:
+        print(f"standard attention (CuPy): not available for {args.dtype} ({type(e).__name__}: {e}); no comparison")
+
+    print(f"\n{'':28} {'median ms':>10} {'TFLOP/s':>8} {'speed-up':>9} {'peak extra MiB':>15}")
+    for label, t, m in rows:
+        print(f"{label:28} {t:10.3f} {flops / t / 1e9:8.1f} {rows[-1][1] / t:8.2f}x {m / 2**20:15.1f}")
+    if len(rows) == 2:
+        print(f"cupyflash vs standard attention: {t_std / t_flash:.2f}x faster, {m_std / max(m_flash, 1):.0f}x less extra memory")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Framework interop: NumPy, CuPy and DLPack arrays in; the caller's array type out.
+
+Device arrays of other frameworks (PyTorch, JAX, ...) come in through `cupy.from_dlpack`, which
+shares their memory and orders their producer stream before CuPy's current stream. Never
+`cupy.asarray`: through __cuda_array_interface__ a torch bfloat16 tensor becomes a void array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+
+import numpy
+
+# DLPack device types (dlpack.h).
+_DL_CPU = 1
+_DL_CUDA = 2
+_DL_CUDA_HOST = 3
+_DL_CUDA_MANAGED = 13
+
+# Module roots whose from_dlpack gives the result back in the caller's framework.
+_FROM_DLPACK = {"torch": "torch", "jax": "jax.numpy", "jaxlib": "jax.numpy"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    kind: str  # "numpy", "cupy" or "foreign"
+    module: str = ""  # for "foreign": the array type's top-level module
+    on_gpu: bool = True
+    device_id: int = -1  # CUDA device ordinal when on_gpu
+
+
+def _cupy_ndarray_type():
+    cupy = sys.modules.get("cupy")  # an array cannot be a CuPy array unless CuPy was imported
+    return cupy.ndarray if cupy is not None else None
+
+
+def classify(x, arg: str) -> Origin:
+    """Where x lives and what it is, read without touching its data; TypeError for non-arrays."""
+    if isinstance(x, numpy.ndarray):
+        return Origin("numpy", on_gpu=False)
+    cupy_ndarray = _cupy_ndarray_type()
+    if cupy_ndarray is not None and isinstance(x, cupy_ndarray):
+        return Origin("cupy", device_id=x.device.id)
+    if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
+        raise TypeError(
+            f"{arg} must be an array (numpy.ndarray, cupy.ndarray, or a GPU array with __dlpack__ "
+            f"such as a torch.Tensor or jax.Array), got {type(x).__module__}.{type(x).__qualname__}"
+        )
+    module = type(x).__module__.split(".")[0]
+    device_type, device_id = x.__dlpack_device__()
+    if device_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+        return Origin("foreign", module, on_gpu=True, device_id=int(device_id))
+    if device_type in (_DL_CPU, _DL_CUDA_HOST):
+        return Origin("foreign", module, on_gpu=False)
+    raise TypeError(f"{arg} lives on DLPack device type {device_type}; cupyflash runs on CUDA GPUs")
+
+
+def check_placement(origins: dict) -> None:
+    """All arrays on the host, or all on one GPU."""
+    on_gpu = {name: o.on_gpu for name, o in origins.items()}
+    if len(set(on_gpu.values())) > 1:
+        where = ", ".join(f"{n} on the {'GPU' if g else 'host'}" for n, g in on_gpu.items())
+        raise ValueError(f"q, k and v must all be on the GPU or all on the host; got {where}")
+    devices = {name: o.device_id for name, o in origins.items()}
+    if all(on_gpu.values()) and len(set(devices.values())) > 1:
+        where = ", ".join(f"{n} on GPU {d}" for n, d in devices.items())
+        raise ValueError(f"q, k and v must be on the same GPU; got {where}")
+
+
+def ingest(x, origin: Origin, arg: str):
+    """A NumPy or CuPy array sharing x's memory (foreign arrays through DLPack, no copy)."""
+    if origin.kind in ("numpy", "cupy"):
+        return x
+    try:
+        if origin.on_gpu:
+            import cupy
+
+            return cupy.from_dlpack(x)
+        return numpy.from_dlpack(x)
+    except (TypeError, ValueError, RuntimeError, BufferError) as e:
+        raise TypeError(f"{arg} could not be imported through DLPack: {e}") from e
+
+
+def export(x, origin: Origin):
+    """Returns x (NumPy or CuPy) as the array type that `origin` came in as."""
+    if origin.kind == "cupy":
+        return x
+    if origin.kind == "numpy":
+        return x if isinstance(x, numpy.ndarray) else x.get()
+    target = _FROM_DLPACK.get(origin.module, origin.module)
+    if not origin.on_gpu and not isinstance(x, numpy.ndarray):
+        x = x.get()
+    try:
+        return importlib.import_module(target).from_dlpack(x)
+    except (ImportError, AttributeError):
+        return x

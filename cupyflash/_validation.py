@@ -1,0 +1,138 @@
+"""Checks of user input: the one place that raises TypeError/ValueError for bad arguments.
+
+Every check runs before any kernel launch or device copy and reads only shapes, dtypes, strides
+and placement, so the inputs are left untouched whatever is raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy
+
+from cupyflash._instantiations import MAX_HEAD_DIM
+
+try:  # bfloat16 arrays in NumPy and CuPy are ml_dtypes' bfloat16
+    import ml_dtypes
+
+    BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+_SUPPORTED = "float16, bfloat16 (ml_dtypes), float32 or float64"
+# Grid limits of the forward launch (heads on grid.y, batch on grid.z) and int32 sequence indices.
+_MAX_GRID_YZ = 65535
+_MAX_SEQLEN = 2**31 - 1024
+
+
+def dtype_name(dtype, arg: str) -> str:
+    """The supported dtype's name ('float16', 'bfloat16', 'float32', 'float64') or a TypeError."""
+    dtype = numpy.dtype(dtype)
+    if BFLOAT16 is not None and dtype == BFLOAT16:
+        return "bfloat16"
+    if dtype in (numpy.float16, numpy.float32, numpy.float64):
+        return dtype.name
+    if dtype.kind == "V":
+        raise TypeError(
+            f"{arg} has the void dtype {dtype.str!r}: a bfloat16 tensor passed through "
+            f"__cuda_array_interface__ (e.g. cupy.asarray(torch_tensor)) arrives like this. Pass the "
+            f"tensor itself (cupyflash imports it through DLPack) or use {_SUPPORTED}."
+        )
+    raise TypeError(f"{arg} must have dtype {_SUPPORTED}, got {dtype}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    head_dim: int
+    dtype_name: str
+    causal: bool
+    scale: float
+    return_lse: bool
+
+
+def check_attention_args(q, k, v, *, causal, scale, return_lse) -> AttentionProblem:
+    """Validates q, k, v (NumPy or CuPy arrays, already on one side) and the options."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            seq = "seqlen_q" if name == "q" else "seqlen_k"
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, {seq}, heads, head_dim), got shape {tuple(x.shape)}"
+            )
+    name_q = dtype_name(q.dtype, "q")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            dtype_name(x.dtype, name)  # an unsupported dtype is named as such first
+            raise TypeError(f"q, k and v must have the same dtype; q is {q.dtype}, {name} is {x.dtype}")
+
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (the last axis of q) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    for name, x in (("k", k), ("v", v)):
+        b, s, h, d = x.shape
+        if (b, h, d) != (batch, heads, head_dim):
+            raise ValueError(
+                f"{name} must have shape (batch={batch}, seqlen_k, heads={heads}, head_dim={head_dim}) "
+                f"to match q {tuple(q.shape)}, got {tuple(x.shape)}"
+            )
+    if v.shape[1] != seqlen_k:
+        raise ValueError(
+            f"k and v must have the same seqlen_k (axis 1), got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_strides(x, name)
+    if heads > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
+        raise ValueError(f"batch and heads must each be at most {_MAX_GRID_YZ}, got batch={batch}, heads={heads}")
+    if max(seqlen_q, seqlen_k) > _MAX_SEQLEN:
+        raise ValueError(f"seqlen_q and seqlen_k must be at most {_MAX_SEQLEN}, got {seqlen_q} and {seqlen_k}")
+
+    return AttentionProblem(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        heads=heads,
+        head_dim=head_dim,
+        dtype_name=name_q,
+        causal=check_flag(causal, "causal"),
+        scale=check_scale(scale, head_dim),
+        return_lse=check_flag(return_lse, "return_lse"),
+    )
+
+
+def _check_strides(x, name: str) -> None:
+    if x.size == 0:  # an empty array's strides are arbitrary (NumPy reports zeros) and unused
+        return
+    itemsize = x.dtype.itemsize
+    for axis, stride in enumerate(x.strides):
+        if stride % itemsize:
+            raise ValueError(f"{name}'s strides must be multiples of its itemsize {itemsize}, got {x.strides}")
+    if x.shape[-1] > 1 and x.strides[-1] != itemsize:
+        raise ValueError(
+            f"{name}'s last axis (head_dim) must be contiguous (stride {itemsize} bytes), got strides "
+            f"{x.strides}. Other axes may have any stride: a (batch, heads, seq, head_dim) array passes "
+            f"as x.transpose(0, 2, 1, 3) with no copy."
+        )
+
+
+def check_flag(value, arg: str) -> bool:
+    if not isinstance(value, (bool, numpy.bool_)):
+        raise TypeError(f"{arg} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """scale, defaulting to 1/sqrt(head_dim); must be a finite positive real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, numpy.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise ValueError(f"scale must be finite and positive, got {scale}")
+    return scale

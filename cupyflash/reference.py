@@ -1,0 +1,157 @@
+"""NumPy float64 references for cupyflash.
+
+- `attention`: the definition. Materialises the (seqlen_q, seqlen_k) scores per head; used to
+  validate every kernel and checked itself against scipy.special.softmax and brute-force loops.
+- `tiled_attention`: FlashAttention-2's forward (Algorithm 1) in NumPy with the kernel's own block
+  schedule: running max m, running sum l, rescaling, lse, causal block skipping. It is the CPU
+  fallback of `cupyflash.attention` and agrees with `attention` to float64 rounding.
+
+Both take the arguments of `cupyflash.attention` (NumPy or CuPy arrays, any supported dtype),
+compute in float64 and return float64 `out` of shape (batch, seqlen_q, heads, head_dim) and, with
+return_lse=True, float64 `lse` of shape (batch, heads, seqlen_q).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from cupyflash import _instantiations, _validation
+
+LOG2E = math.log2(math.e)  # log2(e): exp(x) = exp2(x * log2(e))
+
+
+def _as_float64(x):
+    if type(x).__module__.split(".")[0] == "cupy":
+        x = x.get()
+    elif not isinstance(x, numpy.ndarray) and hasattr(x, "__dlpack__"):
+        x = numpy.from_dlpack(x)
+    return numpy.asarray(x).astype(numpy.float64)
+
+
+def _prepare(q, k, v, causal, scale, return_lse):
+    q, k, v = (x if hasattr(x, "ndim") else numpy.asarray(x) for x in (q, k, v))
+    problem = _validation.check_attention_args(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    return problem, _as_float64(q), _as_float64(k), _as_float64(v)
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int):
+    """Boolean (seqlen_q, seqlen_k): True where key j is hidden from query i, j > i + seqlen_k - seqlen_q."""
+    return _tile_causal_mask(0, seqlen_q, 0, seqlen_k, seqlen_q, seqlen_k)
+
+
+def _tile_causal_mask(row0, rows, col0, cols, seqlen_q, seqlen_k):
+    i = numpy.arange(row0, row0 + rows)[:, None]
+    j = numpy.arange(col0, col0 + cols)[None, :]
+    return j > i + (seqlen_k - seqlen_q)
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+    """Exact attention in float64, materialising the scores. Semantics of `cupyflash.attention`."""
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse)
+    out, lse = _materialised_attention(q, k, v, p, numpy.float64, None)
+    return (out, lse) if p.return_lse else out
+
+
+def attention_in_precision(q, k, v, dtype, *, causal=False, scale=None, return_lse=False):
+    """Standard attention done in `dtype`'s precision: the baseline that sets test tolerances.
+
+    float32/float64 compute in their own precision. For 16-bit dtypes the arithmetic is float32
+    (as tensor-core matmuls and a float32 softmax) with the scores, the probabilities and the
+    output rounded to `dtype`, as a framework's 16-bit standard attention does. Returns float64.
+    """
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse)
+    name = _validation.dtype_name(dtype, "dtype")
+    compute = numpy.float64 if name == "float64" else numpy.float32
+    rounding = numpy.dtype(dtype) if name in ("float16", "bfloat16") else None
+    out, lse = _materialised_attention(q, k, v, p, compute, rounding)
+    return (out, lse) if p.return_lse else out
+
+
+def error_bound(ref, lowp, dtype_name: str) -> float:
+    """Tolerance rule (after flash-attn's tests): a kernel's max |error| against the float64
+    reference may be at most twice that of the same computation done in the input precision
+    (`attention_in_precision`), plus a noise floor of a few units in the last place."""
+    ref = numpy.asarray(ref, dtype=numpy.float64)
+    lowp_err = float(numpy.abs(numpy.asarray(lowp, dtype=numpy.float64) - ref).max(initial=0.0))
+    return 2.0 * lowp_err + noise_floor(dtype_name) * max(1.0, float(numpy.abs(ref).max(initial=0.0)))
+
+
+def noise_floor(dtype_name: str) -> float:
+    """Relative rounding noise allowed beyond the 2x rule: one ulp of a 16-bit output, 4 ulp of
+    float32. For float64 the same-precision computation is the reference itself (error 0), so the
+    floor alone covers summing thousands of terms in another order: 64 ulp."""
+    eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}[dtype_name]
+    return eps * {"float16": 1, "bfloat16": 1, "float32": 4, "float64": 64}[dtype_name]
+
+
+def _materialised_attention(q, k, v, p, compute, rounding):
+    def rounded(x):
+        return x if rounding is None else x.astype(rounding).astype(compute)
+
+    qh, kh, vh = (x.astype(compute).transpose(0, 2, 1, 3) for x in (q, k, v))  # (b, h, seq, d)
+    scores = rounded(qh @ kh.transpose(0, 1, 3, 2)) * compute(p.scale)
+    if p.causal:
+        scores[..., causal_mask(p.seqlen_q, p.seqlen_k)] = -numpy.inf
+    m = scores.max(axis=-1, keepdims=True, initial=-numpy.inf)
+    m_safe = numpy.where(numpy.isneginf(m), 0.0, m).astype(compute)  # no-key rows: all-zero weights
+    weights = numpy.exp(scores - m_safe)
+    l = weights.sum(axis=-1, keepdims=True)
+    probs = rounded(numpy.divide(weights, l, out=numpy.zeros_like(weights), where=l > 0))
+    out = rounded(probs @ vh).transpose(0, 2, 1, 3).astype(numpy.float64)
+    with numpy.errstate(divide="ignore"):
+        lse = numpy.where(l > 0, m_safe + numpy.log(l), -numpy.inf)[..., 0].astype(numpy.float64)
+    return out, lse
+
+
+def tiled_attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None):
+    """FlashAttention-2's forward, block by block, as the GPU kernel schedules it (float64).
+
+    block_m, block_n default to the kernel's tile for this dtype and head dim.
+    """
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse)
+    tile = _instantiations.tile_shape(p.dtype_name, _instantiations.padded_head_dim(p.head_dim))
+    block_m = block_m or tile.block_m
+    block_n = block_n or tile.block_n
+    b, h, sq, sk = p.batch, p.heads, p.seqlen_q, p.seqlen_k
+    out = numpy.empty((b, sq, h, p.head_dim))
+    lse = numpy.empty((b, h, sq))
+    scale_log2 = p.scale * LOG2E  # scores in log2 units, so the kernel needs only exp2
+
+    for row0 in range(0, sq, block_m):  # one thread block per query block i (and head, batch)
+        rows = min(block_m, sq - row0)
+        q_i = q[:, row0 : row0 + rows] * scale_log2  # Q_i, prescaled, on chip for the whole loop
+        o_i = numpy.zeros((b, h, rows, p.head_dim))
+        m_i = numpy.full((b, h, rows, 1), -numpy.inf)
+        l_i = numpy.zeros((b, h, rows, 1))
+        n_blocks = _visible_key_blocks(row0, rows, sq, sk, block_n, p.causal)
+        for col0 in range(0, n_blocks * block_n, block_n):
+            cols = min(block_n, sk - col0)
+            s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i, k[:, col0 : col0 + cols])
+            # Like the kernel, mask only tiles the diagonal cuts through (a slice needs no
+            # seqlen_k mask: it holds no key past the end).
+            if p.causal and col0 + block_n - 1 > row0 + sk - sq:
+                s_ij[..., _tile_causal_mask(row0, rows, col0, cols, sq, sk)] = -numpy.inf
+            m_new = numpy.maximum(m_i, s_ij.max(axis=-1, keepdims=True))
+            m_safe = numpy.where(numpy.isneginf(m_new), 0.0, m_new)  # no -inf - -inf = NaN
+            p_ij = numpy.exp2(s_ij - m_safe)
+            rescale = numpy.exp2(m_i - m_safe)
+            l_i = l_i * rescale + p_ij.sum(axis=-1, keepdims=True)
+            o_i = o_i * rescale + numpy.einsum("bhqk,bkhd->bhqd", p_ij, v[:, col0 : col0 + cols])
+            m_i = m_new
+        # Epilogue: one final rescale of O_i, lse written once; rows that saw no key get 0 / -inf.
+        o_i = numpy.divide(o_i, l_i, out=numpy.zeros_like(o_i), where=l_i > 0)
+        out[:, row0 : row0 + rows] = o_i.transpose(0, 2, 1, 3)
+        with numpy.errstate(divide="ignore"):
+            lse[:, :, row0 : row0 + rows] = numpy.where(l_i > 0, m_i / LOG2E + numpy.log(l_i), -numpy.inf)[..., 0]
+    return (out, lse) if p.return_lse else out
+
+
+def _visible_key_blocks(row0: int, rows: int, seqlen_q: int, seqlen_k: int, block_n: int, causal: bool) -> int:
+    """Key blocks a query block visits; with causal, blocks right of its last row's diagonal are skipped."""
+    n_blocks = -(-seqlen_k // block_n)
+    if causal:
+        last_key = row0 + rows - 1 + seqlen_k - seqlen_q
+        n_blocks = min(n_blocks, 0 if last_key < 0 else last_key // block_n + 1)
+    return n_blocks

@@ -1,0 +1,87 @@
+// Exact attention forward: FlashAttention-2, Algorithm 1, on CUDA cores.
+// The readable reference kernel of cupyflash: float32/float64 use it, and every faster path is
+// checked against the same reference it is. Template arguments: see flash_fwd_traits.cuh; the
+// instantiations are listed in cupyflash/_instantiations.py.
+#include "flash_fwd.cuh"
+
+namespace cupyflash {
+
+// Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads threads.
+// Dynamic shared memory: Kt::kSmemBytes.
+template <typename Kt, bool kIsCausal>
+__global__ void __launch_bounds__(Kt::kNThreads) flash_fwd_kernel(const FwdParams params) {
+    using Accum = typename Kt::Accum;
+    using Storage = typename Kt::Storage;
+    extern __shared__ __align__(16) unsigned char smem[];
+    Accum* sQ = reinterpret_cast<Accum*>(smem) + Kt::kSmemQOffset;  // Q_i  [kBlockM][kQKVStride]
+    Accum* sK = reinterpret_cast<Accum*>(smem) + Kt::kSmemKOffset;  // K_j  [kBlockN][kQKVStride]
+    Accum* sV = reinterpret_cast<Accum*>(smem) + Kt::kSmemVOffset;  // V_j  [kBlockN][kQKVStride]
+    Accum* sP = reinterpret_cast<Accum*>(smem) + Kt::kSmemPOffset;  // P_ij [kBlockM][kPStride]
+
+    const int m_block = blockIdx.x;
+    const int head_idx = blockIdx.y;
+    const int batch_idx = blockIdx.z;
+    const int ty = threadIdx.x / Kt::kColGroups;
+    const int tx = threadIdx.x % Kt::kColGroups;
+    const int row0 = m_block * Kt::kBlockM;
+    const int rows_valid = min(Kt::kBlockM, params.seqlen_q - row0);
+
+    // Key blocks this query block can see. With causal, the last row (row0 + rows_valid - 1)
+    // sees keys up to row + seqlen_k - seqlen_q; later blocks are skipped entirely.
+    int n_block_max = ceil_div(params.seqlen_k, Kt::kBlockN);
+    if (kIsCausal) {
+        const int last_key = row0 + rows_valid - 1 + params.seqlen_k - params.seqlen_q;
+        n_block_max = min(n_block_max, last_key < 0 ? 0 : last_key / Kt::kBlockN + 1);
+    }
+
+    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+                       head_idx * params.q_head_stride + row0 * params.q_row_stride;
+    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+                       head_idx * params.k_head_stride;
+    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+                       head_idx * params.v_head_stride;
+
+    // Q_i stays on chip for the whole loop, prescaled so that S_ij comes out in log2 units.
+    load_tile<Kt, Kt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim,
+                               static_cast<Accum>(params.scale_log2));
+
+    Accum O[Kt::kRowsPerThread][Kt::kOColsPerThread];
+    Accum m[Kt::kRowsPerThread];
+    Accum l[Kt::kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < Kt::kRowsPerThread; ++i) {
+        m[i] = neg_inf<Accum>();
+        l[i] = Accum(0);
+#pragma unroll
+        for (int c = 0; c < Kt::kOColsPerThread; ++c) O[i][c] = Accum(0);
+    }
+
+    // Rows of this block whose causal diagonal falls left of a key tile need per-element masks.
+    const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
+    for (int n_block = 0; n_block < n_block_max; ++n_block) {
+        const int col0 = n_block * Kt::kBlockN;
+        const int keys_valid = min(Kt::kBlockN, params.seqlen_k - col0);
+        __syncthreads();  // every thread is done reading the previous K_j, V_j and P_ij
+        load_tile<Kt, Kt::kBlockN>(sK, k + col0 * params.k_row_stride, params.k_row_stride,
+                                   keys_valid, params.head_dim, Accum(1));
+        load_tile<Kt, Kt::kBlockN>(sV, v + col0 * params.v_row_stride, params.v_row_stride,
+                                   keys_valid, params.head_dim, Accum(1));
+        __syncthreads();  // K_j and V_j (and, first time round, Q_i) are in shared memory
+
+        Accum S[Kt::kRowsPerThread][Kt::kSColsPerThread];
+        compute_scores<Kt>(S, sQ, sK, ty, tx);
+        const bool cut_by_causal = kIsCausal && col0 + Kt::kBlockN - 1 > first_row_last_key;
+        if (keys_valid < Kt::kBlockN || cut_by_causal) {
+            apply_mask<Kt, kIsCausal>(S, row0, col0, params.seqlen_q, params.seqlen_k, ty, tx);
+        }
+        online_softmax<Kt>(S, O, m, l);
+        store_P<Kt>(sP, S, ty, tx);
+        // Each thread reads whole rows of P_ij below, written by its row group: one warp.
+        __syncwarp();
+        accumulate_pv<Kt>(O, sP, sV, ty, tx);
+    }
+
+    epilogue<Kt>(params, O, m, l, batch_idx, head_idx, row0, ty, tx);
+}
+
+}  // namespace cupyflash

@@ -1,0 +1,38 @@
+import secrets
+
+import numpy
+import pytest
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+    except ImportError:
+        return False
+    return bool(cupy.cuda.is_available())
+
+
+GPU = _gpu_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped when cupy.cuda.is_available() is false)")
+    config.addinivalue_line("markers", "cpu_only: exercises the no-GPU fallback (skipped on a GPU machine)")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="no CUDA GPU: cupy.cuda.is_available() is False")
+    skip_cpu = pytest.mark.skip(reason="a GPU is present: the no-GPU fallback is not taken")
+    for item in items:
+        if "gpu" in item.keywords and not GPU:
+            item.add_marker(skip_gpu)
+        if "cpu_only" in item.keywords and GPU:
+            item.add_marker(skip_cpu)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random data every run; the seed is printed with any failure."""
+    seed = secrets.randbits(32)
+    print(f"random seed for {request.node.name}: {seed}")
+    return numpy.random.default_rng(seed)

@@ -1,0 +1,33 @@
+"""The awkward grid every implementation is tested on: seqlens that are not tile multiples,
+seqlen_q != seqlen_k both ways, head dims that are not padded sizes, one-element edges."""
+
+# (seqlen_q, seqlen_k, head_dim)
+AWKWARD_SHAPES = [
+    (1, 1, 1),
+    (1, 17, 40),
+    (17, 1, 59),
+    (113, 203, 111),
+    (203, 113, 256),
+    (64, 64, 64),
+    (1023, 1024, 40),
+    (1024, 1023, 128),
+    (17, 0, 32),  # no keys at all: output 0, lse -inf
+]
+HEAD_DIMS = [1, 16, 40, 59, 111, 128, 200, 256]
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+
+
+def numpy_dtype(name):
+    import numpy
+
+    from cupyflash._validation import BFLOAT16
+
+    return BFLOAT16 if name == "bfloat16" else numpy.dtype(name)
+
+
+def random_qkv(rng, dtype, batch, seqlen_q, seqlen_k, heads, head_dim):
+    dtype = numpy_dtype(dtype)
+    q = rng.standard_normal((batch, seqlen_q, heads, head_dim)).astype(dtype)
+    k = rng.standard_normal((batch, seqlen_k, heads, head_dim)).astype(dtype)
+    v = rng.standard_normal((batch, seqlen_k, heads, head_dim)).astype(dtype)
+    return q, k, v

@@ -1,0 +1,172 @@
+"""The forward kernel against the float64 reference, on the GPU (marker `gpu`)."""
+
+import numpy
+import pytest
+
+import cupyflash
+from cupyflash import _attention, reference
+from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, numpy_dtype, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Outputs start as NaN, so any element the kernel fails to write fails the comparison."""
+    import cupy
+
+    def nan_empty(shape, dtype):
+        return cupy.full(shape, numpy.nan, dtype=numpy.float32).astype(dtype)
+
+    monkeypatch.setattr(_attention, "_empty", nan_empty)
+
+
+def assert_matches_reference(q, k, v, out, lse, dtype, causal, scale=None):
+    """Tolerance rule: max error <= 2 x that of the same computation in the input precision + floor."""
+    q, k, v = (reference._as_float64(x) for x in (q, k, v))  # the exact values the kernel saw
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    dt = numpy_dtype(dtype)
+    lowp = reference.attention_in_precision(q.astype(dt), k.astype(dt), v.astype(dt), dt, causal=causal, scale=scale)
+    out = reference._as_float64(out)
+    assert not numpy.isnan(out).any(), "NaN in the output: an element was not written"
+    err = numpy.abs(out - ref).max(initial=0.0)
+    bound = reference.error_bound(ref, lowp, dtype)
+    assert err <= bound, f"out: max |error| {err:.3e} > bound {bound:.3e} ({dtype})"
+
+    lse = reference._as_float64(lse)
+    assert not numpy.isnan(lse).any(), "NaN in lse"
+    numpy.testing.assert_array_equal(numpy.isneginf(lse), numpy.isneginf(ref_lse))
+    finite = numpy.isfinite(ref_lse)
+    # lse is float32 whatever the input: the same-precision baseline for it is float32 arithmetic.
+    lse_err = numpy.abs(lse[finite] - ref_lse[finite]).max(initial=0.0)
+    lse_lowp = reference.attention_in_precision(q, k, v, numpy.float32, causal=causal, scale=scale, return_lse=True)[1]
+    lse_bound = reference.error_bound(ref_lse[finite], lse_lowp[finite], "float32")
+    assert lse_err <= lse_bound, f"lse: max |error| {lse_err:.3e} > bound {lse_bound:.3e}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim", AWKWARD_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_awkward_shapes(rng, nan_outputs, dtype, seqlen_q, seqlen_k, head_dim, causal):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, seqlen_q, seqlen_k, 3, head_dim))
+    out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+    assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == numpy.float32 and lse.shape == (2, 3, seqlen_q)
+    assert_matches_reference(q, k, v, out, lse, dtype, causal)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_head_dim_class(rng, nan_outputs, dtype, head_dim):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 1, 130, 97, 2, head_dim))
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True, scale=0.3)
+    assert_matches_reference(q, k, v, out, lse, dtype, True, scale=0.3)
+
+
+def _bits(x):
+    return x.view({2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}[x.dtype.itemsize])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_views(rng, nan_outputs, dtype):
+    import cupy
+
+    b, s, h, d = 2, 150, 4, 72
+    dt = numpy_dtype(dtype)
+    # q: the transpose of a (batch, heads, seq, head_dim) array; k, v: views into one packed buffer.
+    q = cupy.asarray(rng.standard_normal((b, h, s, d)).astype(dt)).transpose(0, 2, 1, 3)
+    kv = cupy.asarray(rng.standard_normal((b, 190, 2, h, d + 8)).astype(dt))
+    k, v = kv[:, :, 0, :, :d], kv[:, :, 1, :, 8:]
+    assert not (q.flags.c_contiguous or k.flags.c_contiguous or v.flags.c_contiguous)
+    before = [x.copy() for x in (q, k, v)]
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    assert_matches_reference(q, k, v, out, lse, dtype, True)
+    for x, x0 in zip((q, k, v), before):  # inputs untouched, bit for bit
+        assert bool((_bits(x) == _bits(x0)).all())
+
+
+def test_numpy_in_numpy_out(rng):
+    q, k, v = random_qkv(rng, "float32", 2, 65, 33, 2, 24)
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    assert isinstance(out, numpy.ndarray) and isinstance(lse, numpy.ndarray)
+    assert_matches_reference(q, k, v, out, lse, "float32", False)
+
+
+def test_large_scores_do_not_overflow(rng, nan_outputs):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float32", 1, 77, 300, 2, 64))
+    out, lse = cupyflash.attention(q * 30, k, v, causal=True, return_lse=True)
+    assert_matches_reference(q * 30, k, v, out, lse, "float32", True)
+
+
+def test_runs_on_the_current_stream(rng):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float16", 1, 300, 300, 2, 64))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out, lse = cupyflash.attention(q, k, v, return_lse=True)
+        stream.synchronize()
+    assert_matches_reference(q, k, v, out, lse, "float16", False)
+
+
+def _record_pointers(monkeypatch):
+    seen = {}
+    real = _attention.launch_forward
+
+    def spy(q, k, v, out, lse, p):
+        seen.update(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr)
+        return real(q, k, v, out, lse, p)
+
+    monkeypatch.setattr(_attention, "launch_forward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_torch_round_trip_is_zero_copy(rng, monkeypatch, dtype):
+    torch = pytest.importorskip("torch")
+    tdtype = getattr(torch, dtype)
+    q, k, v = (torch.randn(2, 100, 3, 64, device="cuda").to(tdtype) for _ in range(3))
+    seen = _record_pointers(monkeypatch)
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == tdtype and out.is_cuda
+    assert seen["q"] == q.data_ptr() and seen["k"] == k.data_ptr() and seen["v"] == v.data_ptr()
+    assert seen["out"] == out.data_ptr()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2).double() for x in (q, k, v)), is_causal=True
+    ).transpose(1, 2)
+    assert (out.double() - ref).abs().max().item() < {"float16": 2e-3, "bfloat16": 2e-2, "float32": 1e-5}[dtype]
+    # (batch, heads, seq, dim) tensors pass transposed, without a copy.
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out2 = cupyflash.attention(qt, k, v, causal=True)
+    assert seen["q"] == qt.data_ptr()
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def test_jax_round_trip_is_zero_copy(rng, monkeypatch):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU backend here")
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 80, 2, 32)), dtype=jnp.bfloat16) for _ in range(3))
+    seen = _record_pointers(monkeypatch)
+    out = cupyflash.attention(q, k, v)
+    assert isinstance(out, jax.Array) and out.dtype == jnp.bfloat16
+    assert seen["q"] == q.unsafe_buffer_pointer()
+    assert seen["out"] == out.unsafe_buffer_pointer()
+    ref = reference.attention(*(numpy.asarray(x.astype(jnp.float32)) for x in (q, k, v)))
+    assert numpy.abs(numpy.asarray(out.astype(jnp.float32)) - ref).max() < 2e-2
+
+
+def test_too_much_shared_memory_is_a_clear_error(monkeypatch):
+    from cupyflash import _compile, _instantiations
+
+    kernel = _instantiations.fwd_kernel("float64", 256, False)
+    monkeypatch.setattr(_instantiations.FwdKernel, "smem_bytes", property(lambda self: 10**7))
+    with pytest.raises(ValueError, match="shared memory"):
+        _compile.get_function.__wrapped__(kernel, 0)

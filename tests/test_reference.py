@@ -1,0 +1,144 @@
+"""The NumPy float64 reference against scipy and brute force; the tiled mirror against it."""
+
+import math
+
+import numpy
+import pytest
+import scipy.special
+
+import cupyflash
+from cupyflash import reference
+from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, numpy_dtype, random_qkv
+
+
+def brute_force(q, k, v, causal, scale):
+    """Loops over every (batch, head, query): softmax written out by hand."""
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    out = numpy.zeros((b, sq, h, d))
+    lse = numpy.full((b, h, sq), -numpy.inf)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(sq):
+                visible = [j for j in range(sk) if not (causal and j > i + sk - sq)]
+                if not visible:
+                    continue
+                s = [scale * float(numpy.dot(q[bi, i, hi], k[bi, j, hi])) for j in visible]
+                mx = max(s)
+                w = [math.exp(x - mx) for x in s]
+                total = sum(w)
+                for wj, j in zip(w, visible):
+                    out[bi, i, hi] += wj / total * v[bi, j, hi]
+                lse[bi, hi, i] = mx + math.log(total)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim", [(1, 1, 1), (5, 7, 3), (7, 5, 4), (9, 9, 2), (3, 0, 2)])
+def test_reference_matches_brute_force(rng, causal, seqlen_q, seqlen_k, head_dim):
+    q, k, v = random_qkv(rng, "float64", 2, seqlen_q, seqlen_k, 2, head_dim)
+    scale = 0.7
+    out, lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    out_bf, lse_bf = brute_force(q, k, v, causal, scale)
+    numpy.testing.assert_allclose(out, out_bf, rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(lse, lse_bf, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_matches_scipy_softmax(rng, causal):
+    q, k, v = random_qkv(rng, "float64", 2, 37, 53, 3, 24)
+    out, lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    scores = numpy.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(24)
+    if causal:
+        scores = numpy.where(reference.causal_mask(37, 53), -numpy.inf, scores)
+    probs = scipy.special.softmax(scores, axis=-1)
+    numpy.testing.assert_allclose(out, numpy.einsum("bhqk,bkhd->bqhd", probs, v), rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(lse, scipy.special.logsumexp(scores, axis=-1), rtol=1e-12, atol=1e-12)
+
+
+def test_causal_is_bottom_right_aligned():
+    # The docstring's worked examples.
+    expected_visible = numpy.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=bool)
+    numpy.testing.assert_array_equal(~reference.causal_mask(2, 5), expected_visible)
+    expected_visible = numpy.array([[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]], dtype=bool)
+    numpy.testing.assert_array_equal(~reference.causal_mask(5, 2), expected_visible)
+
+
+def test_rows_without_keys_give_zero_and_neg_inf(rng):
+    q, k, v = random_qkv(rng, "float64", 1, 6, 2, 2, 8)
+    for fn in (reference.attention, reference.tiled_attention):
+        out, lse = fn(q, k, v, causal=True, return_lse=True)
+        assert not numpy.isnan(out).any()
+        assert (out[:, :4] == 0).all() and numpy.isneginf(lse[:, :, :4]).all()
+        assert numpy.isfinite(lse[:, :, 4:]).all() and (numpy.abs(out[:, 4:]) > 0).any()
+
+
+def _assert_tiled_matches(q, k, v, causal, **kw):
+    out, lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    t_out, t_lse = reference.tiled_attention(q, k, v, causal=causal, return_lse=True, **kw)
+    numpy.testing.assert_allclose(t_out, out, rtol=0, atol=1e-13)
+    numpy.testing.assert_array_equal(numpy.isneginf(t_lse), numpy.isneginf(lse))
+    finite = numpy.isfinite(lse)
+    numpy.testing.assert_allclose(t_lse[finite], lse[finite], rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim", AWKWARD_SHAPES)
+def test_tiled_matches_reference_on_awkward_shapes(rng, causal, seqlen_q, seqlen_k, head_dim):
+    q, k, v = random_qkv(rng, "float64", 2, seqlen_q, seqlen_k, 2, head_dim)
+    _assert_tiled_matches(q, k, v, causal)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiled_matches_reference_per_dtype_tile(rng, dtype, head_dim):
+    # Each dtype/head dim has its own kernel tile, so its own block schedule.
+    q, k, v = random_qkv(rng, dtype, 1, 75, 91, 2, head_dim)
+    _assert_tiled_matches(q, k, v, True)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(1, 1), (16, 64), (7, 5)])
+def test_tiled_with_other_block_sizes(rng, block_m, block_n):
+    q, k, v = random_qkv(rng, "float64", 1, 40, 33, 2, 8)
+    _assert_tiled_matches(q, k, v, True, block_m=block_m, block_n=block_n)
+
+
+def test_in_precision_baseline_is_less_accurate_for_lower_precision(rng):
+    q, k, v = random_qkv(rng, "float64", 1, 64, 80, 2, 32)
+    ref = reference.attention(q, k, v)
+    errors = {}
+    for name in DTYPES:
+        dt = numpy_dtype(name)
+        qq, kk, vv = (x.astype(dt) for x in (q, k, v))
+        ref_d = reference.attention(qq, kk, vv)
+        errors[name] = numpy.abs(reference.attention_in_precision(qq, kk, vv, dt) - ref_d).max()
+    assert errors["float64"] < 1e-14 < errors["float32"] < 1e-5 < errors["float16"] < errors["bfloat16"] < 0.1
+    # The bound is tight enough to catch a real mistake (e.g. a dropped scale).
+    wrong = reference.attention(q, k, v, scale=1.0)
+    lowp = reference.attention_in_precision(q.astype(numpy.float16), k.astype(numpy.float16), v.astype(numpy.float16), numpy.float16)
+    assert numpy.abs(wrong - ref).max() > reference.error_bound(ref, lowp, "float16")
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_public_attention_falls_back_to_tiled_numpy_without_gpu(rng, dtype):
+    q, k, v = random_qkv(rng, dtype, 2, 33, 47, 3, 40)
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    assert isinstance(out, numpy.ndarray) and out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == numpy.float32 and lse.shape == (2, 3, 33)
+    ref, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    # The float64 algorithm (exact to ~1e-15), then one rounding to the output dtype.
+    eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}[dtype]
+    atol = eps * numpy.abs(ref).max() + 1e-13
+    numpy.testing.assert_allclose(out.astype(numpy.float64), ref, rtol=0, atol=atol)
+    numpy.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+
+
+@pytest.mark.cpu_only
+def test_public_attention_empty_problems(rng):
+    q, k, v = random_qkv(rng, "float32", 2, 0, 5, 3, 8)
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    assert out.shape == (2, 0, 3, 8) and lse.shape == (2, 3, 0)
+    q, k, v = random_qkv(rng, "float32", 2, 4, 0, 3, 8)
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    assert (out == 0).all() and numpy.isneginf(lse).all()
