@@ -112,17 +112,16 @@ def _run_cpu(args) -> int:
 
 
 def _peak_extra_bytes(fn):
-    """High-water mark of CuPy pool memory allocated while fn runs (outputs included)."""
+    """Device memory fn allocates, counted in a private CuPy pool: a fresh pool keeps every block
+    it ever handed out, so its total is the high-water mark of the call (outputs included)."""
     import cupy
 
-    pool = cupy.get_default_memory_pool()
-    cupy.cuda.runtime.deviceSynchronize()
-    pool.free_all_blocks()
-    before = pool.total_bytes()
-    result = fn()
-    cupy.cuda.runtime.deviceSynchronize()
-    peak = pool.total_bytes() - before
+    pool = cupy.cuda.MemoryPool()
+    with cupy.cuda.using_allocator(pool.malloc):
+        result = fn()
+        cupy.cuda.runtime.deviceSynchronize()
     del result
+    peak = pool.total_bytes()
     pool.free_all_blocks()
     return peak
 

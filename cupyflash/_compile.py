@@ -46,7 +46,7 @@ def kernel_source(filename: str = "flash_fwd.cu") -> str:
     code = f"// ---- {filename} (headers inlined by cupyflash/_compile.py)\n"
     code += _inline(filename, set())
     code += "\n// ---- host/device agreement checks (generated)\n"
-    code += inst.params_layout_checks("cupyflash::FwdParams", inst.FWD_PARAMS_DTYPE)
+    code += inst.params_size_check("cupyflash::FwdParams", inst.FWD_PARAMS_DTYPE)
     return code
 
 

@@ -134,13 +134,17 @@ FWD_PARAMS_DTYPE = numpy.dtype(
 )
 
 
-def params_layout_checks(struct: str, dtype: numpy.dtype) -> str:
-    """static_asserts that `struct` has the size and field offsets of the NumPy dtype."""
-    lines = [f'static_assert(sizeof({struct}) == {dtype.itemsize}, "{struct}: size differs from the host");']
-    for name in dtype.names:
-        offset = dtype.fields[name][1]
+def params_size_check(struct: str, dtype: numpy.dtype) -> str:
+    """A static_assert that `struct` has the host dtype's size (in every compiled module)."""
+    return f'static_assert(sizeof({struct}) == {dtype.itemsize}, "{struct}: size differs from the host");\n'
+
+
+def params_layout_probe(struct: str, dtype: numpy.dtype) -> str:
+    """A kernel writing each field's offset, in dtype order, for the GPU test that compares them
+    with the host layout (offsetof is not a compile-time builtin in every NVRTC)."""
+    lines = [f'extern "C" __global__ void params_layout_probe(long long* offsets) {{', f"    {struct} p{{}};"]
+    for i, name in enumerate(dtype.names):
         lines.append(
-            f"static_assert(__builtin_offsetof({struct}, {name}) == {offset}, "
-            f'"{struct}::{name}: offset differs from the host");'
+            f"    offsets[{i}] = reinterpret_cast<const char*>(&p.{name}) - reinterpret_cast<const char*>(&p);"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n}\n"

@@ -170,3 +170,16 @@ def test_too_much_shared_memory_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(_instantiations.FwdKernel, "smem_bytes", property(lambda self: 10**7))
     with pytest.raises(ValueError, match="shared memory"):
         _compile.get_function.__wrapped__(kernel, 0)
+
+
+def test_params_struct_layout_matches_host():
+    import cupy
+
+    from cupyflash import _compile, _instantiations
+
+    dtype = _instantiations.FWD_PARAMS_DTYPE
+    code = _compile.kernel_source() + _instantiations.params_layout_probe("cupyflash::FwdParams", dtype)
+    probe = cupy.RawModule(code=code, options=_compile.COMPILE_OPTIONS).get_function("params_layout_probe")
+    offsets = cupy.zeros(len(dtype.names), dtype=numpy.int64)
+    probe((1,), (1,), (offsets,))
+    assert offsets.get().tolist() == [dtype.fields[name][1] for name in dtype.names]

@@ -1,0 +1,87 @@
+"""Every kernel instantiation compiles with NVRTC for sm_80 and sm_90a, without spills; the
+compile-time checks that tie the host's numbers to the kernels' really fire. No GPU needed."""
+
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+from cupyflash import _compile, _instantiations
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy's NVRTC bindings are needed")
+ARCHS = ["sm_80", "sm_90a"]
+
+
+@pytest.mark.parametrize("dtype_name", _instantiations.DTYPE_NAMES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_instantiation_compiles_without_spills(arch, dtype_name):
+    kernels = [k for k in _instantiations.all_fwd_kernels() if k.dtype_name == dtype_name]
+    reports = _compile.compile_offline(kernels, arch)
+    assert sorted(r.name_expression for r in reports) == sorted(k.name_expression for k in kernels)
+    for r in reports:
+        assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0 and r.stack_bytes == 0, r
+        assert 0 < r.registers <= 255, r
+        assert r.smem_bytes <= 163 * 1024, f"{r.name_expression} does not fit an A100's shared memory"
+
+
+def test_instantiation_list_covers_every_dtype_head_dim_and_causal_setting():
+    kernels = _instantiations.all_fwd_kernels()
+    assert len(set(kernels)) == len(kernels) == 4 * len(_instantiations.PADDED_HEAD_DIMS) * 2
+    for d in range(1, 257):
+        padded = _instantiations.padded_head_dim(d)
+        assert d <= padded and padded in _instantiations.PADDED_HEAD_DIMS
+    with pytest.raises(ValueError, match="at most 256"):
+        _instantiations.padded_head_dim(257)
+
+
+def test_wrong_shared_memory_size_fails_to_compile(monkeypatch):
+    kernel = _instantiations.fwd_kernel("float32", 64, False)
+    true_bytes = kernel.smem_bytes
+    monkeypatch.setattr(_instantiations.FwdKernel, "smem_bytes", property(lambda self: true_bytes + 16))
+    with pytest.raises(RuntimeError, match="disagree on shared memory"):
+        _compile.compile_offline([kernel], "sm_80")
+
+
+def test_wrong_params_layout_fails_to_compile(monkeypatch):
+    wider = numpy.dtype(_instantiations.FWD_PARAMS_DTYPE.descr + [("extra", "i8")], align=True)
+    monkeypatch.setattr(_instantiations, "FWD_PARAMS_DTYPE", wider)
+    _compile.kernel_source.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="size differs from the host"):
+            _compile.compile_offline([_instantiations.fwd_kernel("float32", 64, False)], "sm_80")
+    finally:
+        _compile.kernel_source.cache_clear()
+
+
+def test_source_holds_every_header_byte_so_the_cache_key_sees_edits(tmp_path, monkeypatch):
+    source = _compile.kernel_source()
+    for header in _compile.kernels_dir().glob("*.cuh"):
+        # Every run of text between #include / #pragma once lines appears verbatim.
+        for chunk in _compile._INCLUDE.split(_compile._PRAGMA_ONCE.sub("", header.read_text()))[::2]:
+            assert chunk in source, f"part of {header.name} is not inlined into the compiled source"
+    assert '#include "' not in source
+
+    copy = tmp_path / "kernels"
+    shutil.copytree(_compile.kernels_dir(), copy)
+    (copy / "numeric.cuh").write_text((copy / "numeric.cuh").read_text() + "\n// an edit\n")
+    monkeypatch.setattr(_compile, "kernels_dir", lambda: copy)
+    _compile.kernel_source.cache_clear()
+    try:
+        assert _compile.kernel_source() != source and "// an edit" in _compile.kernel_source()
+    finally:
+        _compile.kernel_source.cache_clear()
+
+
+def test_check_kernels_command(tmp_path):
+    cmd = [sys.executable, "-m", "cupyflash", "check-kernels", "--arch", "sm_80", "--dtype", "float64"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "18 of 18 kernel builds compiled; 0 spill" in done.stdout
+    assert "cupyflash::FwdTraits<double, 256" in done.stdout
+
+    bad = subprocess.run(cmd[:4] + ["--arch", "sm_1", "--dtype", "float64"], capture_output=True, text=True,
+                         cwd=pathlib.Path(__file__).parents[1])
+    assert bad.returncode == 1 and "FAILED to compile" in bad.stdout
