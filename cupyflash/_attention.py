@@ -130,11 +130,13 @@ def _empty(shape, dtype):
     return cupy.empty(shape, dtype=dtype)
 
 
-def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem) -> None:
-    """Launches the forward kernel on CuPy's current stream; arrays must already be validated."""
+def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=None) -> None:
+    """Launches the forward kernel on CuPy's current stream; arrays must already be validated.
+
+    `kernel` (an _instantiations.FwdKernel) defaults to the traits table's choice."""
     from cupyflash import _compile
 
-    kernel = _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.causal)
+    kernel = kernel or _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.causal)
     function = _compile.get_function(kernel, q.device.id)  # raises ValueError if it cannot fit
     params = numpy.zeros(1, dtype=_instantiations.FWD_PARAMS_DTYPE)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):

@@ -42,19 +42,20 @@ class TileShape:
     block_n: int  # B_c, key rows per iteration
     num_warps: int
     rows_per_thread: int
+    min_blocks_per_sm: int  # occupancy target: caps registers at 64K / (threads * this)
 
 
 # The traits table: tile shape by (accumulator bytes, padded head dim). Chosen so that shared
-# memory fits an A100's 163 KiB opt-in and each thread's accumulators fit in registers (no spills:
-# see `python -m cupyflash check-kernels`).
+# memory fits an A100's 163 KiB opt-in, and with two blocks per SM where their shared memory
+# fits an H100's 227 KiB, without register spills (see `python -m cupyflash check-kernels`).
 def tile_shape(dtype_name: str, padded_head_dim: int) -> TileShape:
     if accum_itemsize(dtype_name) == 4:
-        return TileShape(block_m=64, block_n=32, num_warps=8, rows_per_thread=4)
+        return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=2 if padded_head_dim <= 128 else 1)
     if padded_head_dim <= 64:
-        return TileShape(block_m=64, block_n=32, num_warps=8, rows_per_thread=4)
+        return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=2)
     if padded_head_dim <= 128:
-        return TileShape(block_m=32, block_n=32, num_warps=4, rows_per_thread=4)
-    return TileShape(block_m=32, block_n=16, num_warps=4, rows_per_thread=4)
+        return TileShape(32, 32, num_warps=4, rows_per_thread=4, min_blocks_per_sm=2)
+    return TileShape(32, 16, num_warps=4, rows_per_thread=4, min_blocks_per_sm=1)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -71,10 +72,11 @@ class FwdKernel:
     dtype_name: str
     head_dim: int  # padded
     causal: bool
+    tile_override: TileShape | None = None  # for tuning experiments; None: the traits table
 
     @property
     def tile(self) -> TileShape:
-        return tile_shape(self.dtype_name, self.head_dim)
+        return self.tile_override or tile_shape(self.dtype_name, self.head_dim)
 
     @property
     def num_threads(self) -> int:
@@ -85,7 +87,7 @@ class FwdKernel:
         t = self.tile
         return (
             f"cupyflash::FwdTraits<{ELEMENT_TYPES[self.dtype_name]}, {self.head_dim}, "
-            f"{t.block_m}, {t.block_n}, {t.num_warps}, {t.rows_per_thread}>"
+            f"{t.block_m}, {t.block_n}, {t.num_warps}, {t.rows_per_thread}, {t.min_blocks_per_sm}>"
         )
 
     @property

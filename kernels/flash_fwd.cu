@@ -9,7 +9,7 @@ namespace cupyflash {
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads threads.
 // Dynamic shared memory: Kt::kSmemBytes.
 template <typename Kt, bool kIsCausal>
-__global__ void __launch_bounds__(Kt::kNThreads, 1) flash_fwd_kernel(const FwdParams params) {
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_kernel(const FwdParams params) {
     using Accum = typename Kt::Accum;
     using Storage = typename Kt::Storage;
     extern __shared__ __align__(16) unsigned char smem[];

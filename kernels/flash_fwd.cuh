@@ -44,16 +44,28 @@ template <typename Kt, int kRows>
 __device__ __forceinline__ void load_tile(typename Kt::Accum* s_tile,
                                           const typename Kt::Storage* g_tile, long long row_stride,
                                           int rows_valid, int head_dim, typename Kt::Accum scale) {
-    using Accum = typename Kt::Accum;
-    // Consecutive threads take consecutive columns: coalesced reads along the contiguous head dim.
-    for (int idx = threadIdx.x; idx < kRows * Kt::kHeadDim; idx += Kt::kNThreads) {
-        const int row = idx / Kt::kHeadDim;
-        const int col = idx % Kt::kHeadDim;
-        Accum x = Accum(0);
-        if (row < rows_valid && col < head_dim) {
-            x = Kt::Numeric::to_accum(g_tile[row * row_stride + col]) * scale;
+    using Storage = typename Kt::Storage;
+    constexpr int kPerThread = kRows * Kt::kHeadDim / Kt::kNThreads;
+    // Loads are issued in batches of independent registers before any is stored, so a thread
+    // waits for one memory latency per batch rather than one per element.
+    constexpr int kBatch = gcd_(kPerThread, 8);
+    static_assert(kRows * Kt::kHeadDim % Kt::kNThreads == 0, "threads must tile the tile evenly");
+#pragma unroll 1
+    for (int first = 0; first < kPerThread; first += kBatch) {
+        Storage x[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+            // Consecutive threads take consecutive columns: coalesced along the contiguous head dim.
+            const int idx = threadIdx.x + (first + b) * Kt::kNThreads;
+            const int row = idx / Kt::kHeadDim, col = idx % Kt::kHeadDim;
+            x[b] = row < rows_valid && col < head_dim ? g_tile[row * row_stride + col] : Storage(0);
         }
-        s_tile[row * Kt::kQKVStride + col] = x;
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+            const int idx = threadIdx.x + (first + b) * Kt::kNThreads;
+            const int row = idx / Kt::kHeadDim, col = idx % Kt::kHeadDim;
+            s_tile[row * Kt::kQKVStride + col] = Kt::Numeric::to_accum(x[b]) * scale;
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 namespace cupyflash {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_,
-          int kRowsPerThread_>
+          int kRowsPerThread_, int kMinBlocksPerSm_>
 struct FwdTraits {
     using Element = Element_;
     using Numeric = NumericTraits<Element>;
@@ -18,6 +18,8 @@ struct FwdTraits {
     static constexpr int kBlockN = kBlockN_;    // B_c: key rows per iteration
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kNThreads = kNWarps * 32;
+    // Blocks meant to share an SM: caps registers at 64K / (kNThreads * kMinBlocksPerSm).
+    static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
 
     // Threads form a kRowGroups x kColGroups grid over the S_ij tile; each thread owns
     // kRowsPerThread consecutive rows (and the same rows of O_i, so m_i and l_i stay in its
