@@ -49,8 +49,12 @@ class TileShape:
 # memory fits an A100's 163 KiB opt-in, and with two blocks per SM where their shared memory
 # fits an H100's 227 KiB, without register spills (see `python -m cupyflash check-kernels`).
 def tile_shape(dtype_name: str, padded_head_dim: int) -> TileShape:
-    if accum_itemsize(dtype_name) == 4:
-        return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=2 if padded_head_dim <= 128 else 1)
+    if accum_itemsize(dtype_name) == 4:  # measured: benchmarks/NOTES.md, "tile sweep"
+        if padded_head_dim <= 64:
+            return TileShape(64, 32, num_warps=4, rows_per_thread=4, min_blocks_per_sm=2)
+        if padded_head_dim <= 128:
+            return TileShape(128, 32, num_warps=8, rows_per_thread=8, min_blocks_per_sm=1)
+        return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=1)
     if padded_head_dim <= 64:
         return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=2)
     if padded_head_dim <= 128:

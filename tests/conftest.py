@@ -1,3 +1,4 @@
+import os
 import secrets
 
 import numpy
@@ -16,6 +17,10 @@ GPU = _gpu_available()
 
 
 def pytest_configure(config):
+    if GPU and os.environ.get("CUPYFLASH_NO_MEMORY_POOL"):
+        import cupy  # under compute-sanitizer: every allocation its own, so overruns are seen
+
+        cupy.cuda.set_allocator(None)
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped when cupy.cuda.is_available() is false)")
     config.addinivalue_line("markers", "cpu_only: exercises the no-GPU fallback (skipped on a GPU machine)")
 
