@@ -25,6 +25,11 @@ CANDIDATES = [
     TileShape(64, 16, 8, 4, 2),
     TileShape(32, 32, 4, 4, 4),
     TileShape(128, 32, 8, 4, 1),
+    # shapes for float64's larger accumulators
+    TileShape(32, 32, 4, 4, 2),
+    TileShape(64, 32, 8, 4, 1),
+    TileShape(32, 32, 8, 2, 2),
+    TileShape(64, 16, 4, 4, 2),
 ]
 
 
