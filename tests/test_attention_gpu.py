@@ -183,3 +183,18 @@ def test_params_struct_layout_matches_host():
     offsets = cupy.zeros(len(dtype.names), dtype=numpy.int64)
     probe((1,), (1,), (offsets,))
     assert offsets.get().tolist() == [dtype.fields[name][1] for name in dtype.names]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_standard_attention_baseline_is_correct(rng, dtype):
+    import cupy
+
+    from cupyflash.standard import standard_attention
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 97, 131, 3, 48))
+    out = standard_attention(q, k, v, causal=True)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    ref = reference.attention(q, k, v, causal=True)
+    lowp = reference.attention_in_precision(q.get(), k.get(), v.get(), numpy_dtype(dtype), causal=True)
+    err = numpy.abs(reference._as_float64(out) - ref).max()
+    assert err <= reference.error_bound(ref, lowp, dtype)
