@@ -58,7 +58,7 @@ def tile_shape(dtype_name: str, padded_head_dim: int) -> TileShape:
     if padded_head_dim <= 64:
         return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=2)
     if padded_head_dim <= 128:
-        return TileShape(32, 32, num_warps=4, rows_per_thread=4, min_blocks_per_sm=2)
+        return TileShape(64, 16, num_warps=4, rows_per_thread=4, min_blocks_per_sm=2)
     return TileShape(32, 16, num_warps=4, rows_per_thread=4, min_blocks_per_sm=1)
 
 
