@@ -183,6 +183,7 @@ def _run_gpu(args) -> int:
     print(f"\n{'':28} {'median ms':>10} {'TFLOP/s':>8} {'speed-up':>9} {'peak extra MiB':>15}")
     for label, t, m in rows:
         print(f"{label:28} {t:10.3f} {flops / t / 1e9:8.1f} {rows[-1][1] / t:8.2f}x {m / 2**20:15.1f}")
+    print("(peak extra: device memory allocated during one call, outputs included)")
     if len(rows) == 2:
         print(f"cupyflash vs standard attention: {t_std / t_flash:.2f}x faster, {m_std / max(m_flash, 1):.0f}x less extra memory")
     return 0 if ok else 1

@@ -45,11 +45,11 @@ class TileShape:
     min_blocks_per_sm: int  # occupancy target: caps registers at 64K / (threads * this)
 
 
-# The traits table: tile shape by (accumulator bytes, padded head dim). Chosen so that shared
-# memory fits an A100's 163 KiB opt-in, and with two blocks per SM where their shared memory
-# fits an H100's 227 KiB, without register spills (see `python -m cupyflash check-kernels`).
+# The traits table: tile shape by (accumulator bytes, padded head dim). The fastest shapes of a
+# sweep on an H200 (benchmarks/NOTES.md) among those whose shared memory fits an A100's 163 KiB
+# opt-in and whose registers do not spill (see `python -m cupyflash check-kernels`).
 def tile_shape(dtype_name: str, padded_head_dim: int) -> TileShape:
-    if accum_itemsize(dtype_name) == 4:  # measured: benchmarks/NOTES.md, "tile sweep"
+    if accum_itemsize(dtype_name) == 4:
         if padded_head_dim <= 64:
             return TileShape(64, 32, num_warps=4, rows_per_thread=4, min_blocks_per_sm=2)
         if padded_head_dim <= 128:
