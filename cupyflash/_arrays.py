@@ -84,7 +84,10 @@ def ingest(x, origin: Origin, arg: str):
 
 
 def export(x, origin: Origin):
-    """Returns x (NumPy or CuPy) as the array type that `origin` came in as."""
+    """Returns x (NumPy or CuPy) as the array type that `origin` came in as.
+
+    A foreign framework without a module-level `from_dlpack` (torch and jax have one) gets the
+    CuPy array (NumPy for host arrays) itself, which it can import through DLPack."""
     if origin.kind == "cupy":
         return x
     if origin.kind == "numpy":

@@ -55,8 +55,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     out, or (out, lse)
         out has q's shape (contiguous) and dtype. A row with no visible key (causal with
         seqlen_q > seqlen_k, or seqlen_k == 0) gives out 0 and lse -inf, never NaN.
-        Results come back in the callers' array type: NumPy for NumPy input, CuPy for CuPy,
-        a torch.Tensor / jax.Array for those (sharing memory through DLPack, no copy).
+        Results come back in the caller's array type: NumPy for NumPy input, CuPy for CuPy,
+        a torch.Tensor / jax.Array for those (sharing memory through DLPack, no copy); other
+        DLPack frameworks without a ``from_dlpack`` function get the CuPy array.
 
     Precision: 16-bit inputs are widened to float32 and every score, probability and
     accumulation is float32; float32 and float64 compute in their own precision.
