@@ -1,12 +1,15 @@
 """cupyflash: exact FlashAttention for NumPy, CuPy, PyTorch and JAX arrays.
 
+`attention` and `attention_backward` take arrays of any of these frameworks; `cupyflash.torch`
+and `cupyflash.jax` wrap them as differentiable functions (torch.autograd / jax.custom_vjp).
+
 Tiled CUDA kernels (kernels/*.cu, compiled at run time through CuPy's NVRTC) compute exact
 softmax attention without materialising the score matrix; `cupyflash.reference` holds the NumPy
 float64 definition they are validated against and the tiled CPU fallback.
 """
 
 from cupyflash import reference
-from cupyflash._attention import attention, gpu_available
+from cupyflash._attention import attention, attention_backward, gpu_available
 
-__all__ = ["attention", "gpu_available", "reference"]
+__all__ = ["attention", "attention_backward", "gpu_available", "reference"]
 __version__ = "0.1.0"

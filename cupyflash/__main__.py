@@ -1,9 +1,10 @@
 """Command line.
 
     python -m cupyflash [--batch 4 --seqlen 4096 --heads 16 --head-dim 128 --dtype float16 --causal]
-        Runs attention on the GPU, checks a slice against the float64 reference, and prints time,
-        TFLOP/s, and speed-up and peak extra memory against standard CuPy attention. With no GPU,
-        runs the NumPy tiled fallback on a small problem instead.
+        Runs attention forward and forward + backward on the GPU, checks a slice of out, dq, dk,
+        dv against the float64 reference, and prints time, TFLOP/s, and speed-up and peak extra
+        memory against standard CuPy attention. With no GPU, runs the NumPy tiled fallback on a
+        small problem instead.
 
     python -m cupyflash check-kernels [--arch sm_80 --arch sm_90a] [--dtype float16 ...]
         Compiles every kernel instantiation with NVRTC (no GPU needed), prints registers, shared
@@ -40,17 +41,17 @@ def check_kernels(argv) -> int:
     from cupyflash import _compile
 
     archs = args.arch or ["sm_80", "sm_90a"]
-    kernels = [k for k in inst.all_fwd_kernels() if not args.dtype or k.dtype_name in args.dtype]
+    kernels = [k for k in inst.all_kernels() if not args.dtype or k.dtype_name in args.dtype]
     failed = spilled = 0
     print(f"{'arch':7} {'regs':>4} {'smem B':>7} {'stack':>5} {'spill st/ld':>11}  kernel")
     for arch in archs:
-        for dtype_name in sorted({k.dtype_name for k in kernels}):
-            group = [k for k in kernels if k.dtype_name == dtype_name]
+        for source, dtype_name in sorted({(k.source_file, k.dtype_name) for k in kernels}):
+            group = [k for k in kernels if k.dtype_name == dtype_name and k.source_file == source]
             start = time.perf_counter()
             try:
                 reports = _compile.compile_offline(group, arch)
             except RuntimeError as e:
-                print(f"{arch}: FAILED to compile {dtype_name} kernels:\n{e}")
+                print(f"{arch}: FAILED to compile {source} {dtype_name} kernels:\n{e}")
                 failed += len(group)
                 continue
             for r in reports:
@@ -61,7 +62,7 @@ def check_kernels(argv) -> int:
                     f"{r.arch:7} {r.registers:4d} {r.smem_bytes:7d} {r.stack_bytes:5d} "
                     f"{r.spill_store_bytes:5d}/{r.spill_load_bytes:<5d}  {r.name_expression}{flag}"
                 )
-            print(f"# {arch} {dtype_name}: {len(group)} kernels in {time.perf_counter() - start:.1f} s")
+            print(f"# {arch} {source} {dtype_name}: {len(group)} kernels in {time.perf_counter() - start:.1f} s")
     total = len(kernels) * len(archs)
     print(f"{total - failed} of {total} kernel builds compiled; {spilled} spill")
     return 1 if failed or (spilled and not args.allow_spills) else 0
@@ -102,13 +103,19 @@ def _run_cpu(args) -> int:
     b, s, h, d = 1, 256, 2, min(args.head_dim, 64)
     rng = numpy.random.default_rng(0)
     q, k, v = (rng.standard_normal((b, s, h, d)).astype(numpy.float32) for _ in range(3))
+    dout = rng.standard_normal((b, s, h, d))
     start = time.perf_counter()
-    out = reference.tiled_attention(q, k, v, causal=args.causal)
-    elapsed = time.perf_counter() - start
+    out, lse = reference.tiled_attention(q, k, v, causal=args.causal, return_lse=True)
+    middle = time.perf_counter()
+    grads = reference.tiled_attention_backward(dout, q, k, v, out, lse, causal=args.causal)
+    end = time.perf_counter()
     err = numpy.abs(out - reference.attention(q, k, v, causal=args.causal)).max()
+    exact = reference.attention_backward(dout, q, k, v, causal=args.causal)
+    grad_err = max(numpy.abs(g - e).max() for g, e in zip(grads, exact))
     print(f"tiled NumPy attention, batch {b}, seqlen {s}, heads {h}, head_dim {d}, causal={args.causal}: "
-          f"{elapsed * 1e3:.1f} ms, max |error| vs reference {err:.2e}")
-    return 0 if err < 1e-10 else 1
+          f"forward {(middle - start) * 1e3:.1f} ms, max |error| vs reference {err:.2e}; "
+          f"backward {(end - middle) * 1e3:.1f} ms, max |error| {grad_err:.2e}")
+    return 0 if max(err, grad_err) < 1e-10 else 1
 
 
 def _peak_extra_bytes(fn):
@@ -151,40 +158,68 @@ def _run_gpu(args) -> int:
     k = rs.standard_normal((b, sk, h, d), dtype=numpy.float32).astype(dtype)
     v = rs.standard_normal((b, sk, h, d), dtype=numpy.float32).astype(dtype)
 
+    dout = rs.standard_normal((b, sq, h, d), dtype=numpy.float32).astype(dtype)
+    causal = args.causal
+
     start = time.perf_counter()
-    out = cupyflash.attention(q, k, v, causal=args.causal)
+    out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
     cupy.cuda.runtime.deviceSynchronize()
-    print(f"first call (compile or load from cache + run): {time.perf_counter() - start:.2f} s")
+    print(f"first forward + backward (compile or load from cache + run): {time.perf_counter() - start:.2f} s")
 
-    # Correctness: batch 0, head 0, every query against the float64 reference.
-    qs, ks, vs = (x[:1, :, :1].get() for x in (q, k, v))
-    ref = reference.attention(qs, ks, vs, causal=args.causal)
-    lowp = reference.attention_in_precision(qs, ks, vs, dtype, causal=args.causal)
-    got = out[:1, :, :1].get().astype(numpy.float64)
-    err = float(numpy.abs(got - ref).max())
-    bound = reference.error_bound(ref, lowp, args.dtype)
-    ok = bool(numpy.isfinite(got).all()) and err <= bound
-    print(f"check vs float64 reference (batch 0, head 0, all {sq} queries): max |error| {err:.3e}, "
-          f"bound {bound:.3e} -> {'PASS' if ok else 'FAIL'}")
+    # Correctness: batch 0, head 0, every query and key, against the float64 reference.
+    sliced = [x[:1, :, :1].get() for x in (q, k, v, dout)]
+    ok = _check("out", out[:1, :, :1].get(), reference.attention(*sliced[:3], causal=causal),
+                reference.attention_in_precision(*sliced[:3], dtype, causal=causal), args.dtype)
+    exact = reference.attention_backward(sliced[3], *sliced[:3], causal=causal)
+    lowp = reference.attention_backward_in_precision(sliced[3], *sliced[:3], dtype, causal=causal)
+    for name, g, e, lp in zip(("dq", "dk", "dv"), grads, exact, lowp):
+        ok &= _check(name, g[:1, :, :1].get(), e, lp, args.dtype)
 
-    flops = standard.flops(b, h, sq, sk, d, args.causal)
-    t_flash = _median_ms(lambda: cupyflash.attention(q, k, v, causal=args.causal), args.repeat)
-    m_flash = _peak_extra_bytes(lambda: cupyflash.attention(q, k, v, causal=args.causal))
-    rows = [("cupyflash.attention", t_flash, m_flash)]
-    try:
-        t_std = _median_ms(lambda: standard.standard_attention(q, k, v, causal=args.causal), args.repeat)
-        m_std = _peak_extra_bytes(lambda: standard.standard_attention(q, k, v, causal=args.causal))
-        rows.append(("standard attention (CuPy)", t_std, m_std))
-    except cupy.cuda.memory.OutOfMemoryError as e:  # it materialises seqlen_q x seqlen_k per head
-        print(f"standard attention (CuPy): out of device memory ({e}); no comparison")
+    def forward():
+        return cupyflash.attention(q, k, v, causal=causal)
 
-    print(f"\n{'':28} {'median ms':>10} {'TFLOP/s':>8} {'speed-up':>9} {'peak extra MiB':>15}")
-    for label, t, m in rows:
-        print(f"{label:28} {t:10.3f} {flops / t / 1e9:8.1f} {rows[-1][1] / t:8.2f}x {m / 2**20:15.1f}")
-    print("(peak extra: device memory allocated during one call, outputs included)")
-    if len(rows) == 2:
-        print(f"cupyflash vs standard attention: {t_std / t_flash:.2f}x faster, {m_std / max(m_flash, 1):.0f}x less extra memory")
+    def forward_backward(deterministic=False):
+        o, l = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+        return cupyflash.attention_backward(dout, q, k, v, o, l, causal=causal, deterministic=deterministic)
+
+    fwd_flops = standard.flops(b, h, sq, sk, d, causal)
+    fwd_bwd_flops = fwd_flops * (1 + standard.BACKWARD_FLOPS_RATIO)
+    runs = {
+        "forward": [("cupyflash", forward), ("standard (CuPy)", lambda: standard.standard_attention(q, k, v, causal=causal))],
+        "forward + backward": [
+            ("cupyflash", forward_backward),
+            ("cupyflash deterministic", lambda: forward_backward(True)),
+            ("standard (CuPy)", lambda: standard.standard_attention_forward_backward(q, k, v, dout, causal=causal)),
+        ],
+    }
+    print(f"\n{'':20} {'':24} {'median ms':>10} {'TFLOP/s':>8} {'vs std':>7} {'peak extra MiB':>15}")
+    for phase, entries in runs.items():
+        flops = fwd_flops if phase == "forward" else fwd_bwd_flops
+        rows = []
+        for label, fn in entries:
+            try:
+                rows.append((label, _median_ms(fn, args.repeat), _peak_extra_bytes(fn)))
+            except cupy.cuda.memory.OutOfMemoryError as e:  # standard attention materialises seqlen_q x seqlen_k
+                print(f"{phase:20} {label:24} out of device memory ({e})")
+        t_std = rows[-1][1] if rows[-1][0].startswith("standard") else float("nan")
+        for label, t, m in rows:
+            print(f"{phase:20} {label:24} {t:10.3f} {flops / t / 1e9:8.1f} {t_std / t:6.2f}x {m / 2**20:15.1f}")
+    print("(TFLOP/s: forward 4·b·h·sq·sk·d, backward 2.5x that, halved for causal; peak extra: device "
+          "memory allocated during one call, outputs included)")
     return 0 if ok else 1
+
+
+def _check(name, got, exact, lowp, dtype_name) -> bool:
+    from cupyflash import reference
+
+    got = got.astype(numpy.float64)
+    err = float(numpy.abs(got - exact).max(initial=0.0))
+    bound = reference.error_bound(exact, lowp, dtype_name)
+    ok = bool(numpy.isfinite(got).all()) and err <= bound
+    print(f"check {name:3} vs float64 reference (batch 0, head 0): max |error| {err:.3e}, bound {bound:.3e} "
+          f"-> {'PASS' if ok else 'FAIL'}")
+    return ok
 
 
 if __name__ == "__main__":

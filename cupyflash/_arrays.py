@@ -59,14 +59,16 @@ def classify(x, arg: str) -> Origin:
 
 def check_placement(origins: dict) -> None:
     """All arrays on the host, or all on one GPU."""
+    names = list(origins)
+    listed = ", ".join(names[:-1]) + " and " + names[-1]
     on_gpu = {name: o.on_gpu for name, o in origins.items()}
     if len(set(on_gpu.values())) > 1:
         where = ", ".join(f"{n} on the {'GPU' if g else 'host'}" for n, g in on_gpu.items())
-        raise ValueError(f"q, k and v must all be on the GPU or all on the host; got {where}")
+        raise ValueError(f"{listed} must all be on the GPU or all on the host; got {where}")
     devices = {name: o.device_id for name, o in origins.items()}
     if all(on_gpu.values()) and len(set(devices.values())) > 1:
         where = ", ".join(f"{n} on GPU {d}" for n, d in devices.items())
-        raise ValueError(f"q, k and v must be on the same GPU; got {where}")
+        raise ValueError(f"{listed} must be on the same GPU; got {where}")
 
 
 def ingest(x, origin: Origin, arg: str):

@@ -1,4 +1,5 @@
-"""The public forward: validation, dispatch (GPU kernel or CPU fallback), framework round trip."""
+"""The public forward and backward: validation, dispatch (GPU kernels or CPU fallback), framework
+round trip."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     scale : float, optional
         Multiplies q . k before the softmax; default ``1 / sqrt(head_dim)``.
     return_lse : bool
-        Also return lse, float32 of shape (batch, heads, seqlen_q): the natural-log
-        log-sum-exp of each row's scaled, masked scores (what the backward pass needs).
+        Also return lse, of shape (batch, heads, seqlen_q), float32 (float64 for float64
+        inputs): the natural-log log-sum-exp of each row's scaled, masked scores, which
+        `attention_backward` needs.
 
     Returns
     -------
@@ -109,7 +111,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
 
 def _forward_cpu(q, k, v, p: _validation.AttentionProblem):
     out, lse = reference.tiled_attention(q, k, v, causal=p.causal, scale=p.scale, return_lse=True)
-    return out.astype(q.dtype), lse.astype(numpy.float32)
+    return out.astype(q.dtype), lse.astype(_validation.lse_dtype(p.dtype_name))
 
 
 def _forward_gpu(q, k, v, p: _validation.AttentionProblem):
@@ -117,7 +119,7 @@ def _forward_gpu(q, k, v, p: _validation.AttentionProblem):
 
     with cupy.cuda.Device(q.device.id):
         out = _empty((p.batch, p.seqlen_q, p.heads, p.head_dim), q.dtype)
-        lse = _empty((p.batch, p.heads, p.seqlen_q), numpy.float32)
+        lse = _empty((p.batch, p.heads, p.seqlen_q), _validation.lse_dtype(p.dtype_name))
         if out.size == 0:
             return out, lse
         launch_forward(q, k, v, out, lse, p)
@@ -131,25 +133,154 @@ def _empty(shape, dtype):
     return cupy.empty(shape, dtype=dtype)
 
 
-def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=None) -> None:
-    """Launches the forward kernel on CuPy's current stream; arrays must already be validated.
+def _set_strides(params, name: str, x) -> None:
+    item = x.dtype.itemsize
+    params[f"{name}_batch_stride"] = x.strides[0] // item
+    params[f"{name}_row_stride"] = x.strides[1] // item
+    params[f"{name}_head_stride"] = x.strides[2] // item
 
-    `kernel` (an _instantiations.FwdKernel) defaults to the traits table's choice."""
-    from cupyflash import _compile
 
-    kernel = kernel or _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.causal)
-    function = _compile.get_function(kernel, q.device.id)  # raises ValueError if it cannot fit
-    params = numpy.zeros(1, dtype=_instantiations.FWD_PARAMS_DTYPE)
-    for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
-        params[name] = x.data.ptr
-        item = x.dtype.itemsize
-        params[f"{name}_batch_stride"] = x.strides[0] // item
-        params[f"{name}_row_stride"] = x.strides[1] // item
-        params[f"{name}_head_stride"] = x.strides[2] // item
-    params["lse"] = lse.data.ptr
+def _set_problem(params, p: _validation.AttentionProblem) -> None:
     params["heads"] = p.heads
     params["seqlen_q"] = p.seqlen_q
     params["seqlen_k"] = p.seqlen_k
     params["head_dim"] = p.head_dim
     params["scale_log2"] = p.scale * reference.LOG2E
-    function(kernel.grid(p.batch, p.heads, p.seqlen_q), (kernel.num_threads,), (params,), shared_mem=kernel.smem_bytes)
+
+
+def _launch(kernel, device_id: int, grid, params) -> None:
+    from cupyflash import _compile
+
+    function = _compile.get_function(kernel, device_id)  # raises ValueError if it cannot fit
+    function(grid, (kernel.num_threads,), (params,), shared_mem=kernel.smem_bytes)
+
+
+def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=None) -> None:
+    """Launches the forward kernel on CuPy's current stream; arrays must already be validated.
+
+    `kernel` (an _instantiations.FwdKernel) defaults to the traits table's choice."""
+    kernel = kernel or _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.causal)
+    params = numpy.zeros(1, dtype=_instantiations.FWD_PARAMS_DTYPE)
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
+        params[name] = x.data.ptr
+        _set_strides(params, name, x)
+    params["lse"] = lse.data.ptr
+    _set_problem(params, p)
+    _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic=False):
+    """Gradients of attention: FlashAttention-2's backward pass, recomputing P from the saved lse.
+
+    Given dout = dL/d(out) for ``out, lse = attention(q, k, v, causal=..., scale=...,
+    return_lse=True)``, returns ``(dq, dk, dv)`` = dL/dq, dL/dk, dL/dv. The
+    ``seqlen_q x seqlen_k`` attention matrix is never stored; each tile of it is recomputed from
+    q, k and lse. Extra memory is O(seqlen): two float32 vectors per (batch, head, query) and,
+    unless deterministic, a float32 dq accumulator of q's size (float64 for float64 inputs).
+
+    Parameters
+    ----------
+    dout, out : arrays with q's shape (batch, seqlen_q, heads, head_dim) and dtype
+    q, k, v : the forward's inputs, as in `attention` (any strides with a contiguous head_dim)
+    lse : array, shape (batch, heads, seqlen_q), float32 (float64 for float64 inputs)
+        The forward's log-sum-exp; any strides.
+    causal, scale : as given to the forward (same bottom-right causal alignment)
+    deterministic : bool
+        False (default): dq is summed across key blocks with float32 atomic adds, whose order
+        varies, so the last bits of dq can differ from run to run. True: dq comes from a
+        second kernel, parallel over query blocks, that recomputes the score tiles and sums
+        each row of dq in a fixed order; results are bitwise reproducible on one GPU. It
+        costs more time (measured in benchmarks/NOTES.md) and no extra memory.
+
+    Returns
+    -------
+    (dq, dk, dv) with the shapes and dtype of q, k, v, in the caller's array type (as
+    `attention`). Rows that see no key get dq = 0 and contribute nothing to dk and dv.
+    Precision: every product and sum is float32 for 16-bit and float32 inputs, float64 for
+    float64; each gradient is rounded once to the input dtype.
+
+    Where it runs, and what raises, as for `attention`: TypeError/ValueError before any device
+    work for bad arguments (dout/out not of q's shape and dtype, lse not of shape
+    (batch, heads, seqlen_q) and dtype float32/float64 as above, non-boolean deterministic).
+    With no GPU, NumPy inputs run through `cupyflash.reference.tiled_attention_backward`.
+
+    Example
+    -------
+    >>> import numpy as np, cupyflash
+    >>> q, k, v = (np.random.randn(1, 5, 2, 16).astype(np.float32) for _ in range(3))
+    >>> out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    >>> dout = np.ones_like(out)
+    >>> dq, dk, dv = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> dq.shape, dk.dtype
+    ((1, 5, 2, 16), dtype('float32'))
+    """
+    given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    origins = {name: _arrays.classify(x, name) for name, x in given.items()}
+    _arrays.check_placement(origins)
+    arrays = {name: _arrays.ingest(x, origins[name], name) for name, x in given.items()}
+    problem = _validation.check_backward_args(
+        *arrays.values(), causal=causal, scale=scale, deterministic=deterministic
+    )
+    if not origins["q"].on_gpu and not gpu_available():
+        grads = _backward_cpu(*arrays.values(), problem)
+    else:
+        if not origins["q"].on_gpu:
+            import cupy
+
+            arrays = {name: cupy.asarray(x) for name, x in arrays.items()}
+        grads = _backward_gpu(*arrays.values(), problem)
+    return tuple(_arrays.export(g, origins["q"]) for g in grads)
+
+
+def _backward_cpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
+    grads = reference.tiled_attention_backward(dout, q, k, v, out, lse, causal=p.causal, scale=p.scale)
+    return tuple(g.astype(q.dtype) for g in grads)
+
+
+def _backward_gpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
+    import cupy
+
+    with cupy.cuda.Device(q.device.id):
+        dq, dk, dv = (_empty(x.shape, x.dtype) for x in (q, k, v))
+        launch_backward(dout, q, k, v, out, lse, dq, dk, dv, p)
+    return dq, dk, dv
+
+
+def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, p: _validation.AttentionProblem) -> None:
+    """Launches the backward kernels on CuPy's current stream, writing dq, dk, dv (any strides,
+    head_dim contiguous); arrays must already be validated."""
+    import cupy
+
+    if p.batch == 0 or p.heads == 0 or p.head_dim == 0:
+        return
+    device_id = q.device.id
+    accum = _validation.lse_dtype(p.dtype_name)  # the kernels' accumulator type
+    lse_log2 = cupy.empty((p.batch, p.heads, p.seqlen_q), accum)
+    d = cupy.empty((p.batch, p.heads, p.seqlen_q), accum)
+    dq_accum = None if p.deterministic else cupy.zeros((p.batch, p.seqlen_q, p.heads, p.head_dim), accum)
+
+    params = numpy.zeros(1, dtype=_instantiations.BWD_PARAMS_DTYPE)
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
+        params[name] = x.data.ptr
+        _set_strides(params, name, x)
+    params["lse"] = lse.data.ptr
+    for axis, name in enumerate(("batch", "head", "row")):
+        params[f"lse_{name}_stride"] = lse.strides[axis] // lse.dtype.itemsize
+    params["lse_log2"] = lse_log2.data.ptr
+    params["d"] = d.data.ptr
+    params["dq_accum"] = 0 if dq_accum is None else dq_accum.data.ptr
+    _set_problem(params, p)
+    params["scale"] = p.scale
+
+    def launch(kernel):
+        grid = kernel.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k)
+        if grid[0] > 0:  # seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do
+            _launch(kernel, device_id, grid, params)
+
+    dkdv_kernel, dq_kernel = _instantiations.bwd_kernels(p.dtype_name, p.head_dim, p.causal)
+    launch(_instantiations.BwdRowKernel("preprocess", p.dtype_name))
+    launch(dkdv_kernel)
+    launch(dq_kernel if p.deterministic else _instantiations.BwdRowKernel("convert_dq", p.dtype_name))

@@ -26,7 +26,7 @@ def kernels_dir() -> pathlib.Path:
     """The kernels/ folder: packaged inside an installed wheel, top-level in a source tree."""
     here = pathlib.Path(__file__).resolve().parent
     for candidate in (here / "kernels", here.parent / "kernels"):
-        if (candidate / "flash_fwd.cu").is_file():
+        if (candidate / "flash_fwd.cu").is_file() and (candidate / "flash_bwd.cu").is_file():
             return candidate
     raise FileNotFoundError(f"cupyflash kernel sources not found next to {here}")
 
@@ -46,19 +46,22 @@ def kernel_source(filename: str = "flash_fwd.cu") -> str:
     code = f"// ---- {filename} (headers inlined by cupyflash/_compile.py)\n"
     code += _inline(filename, set())
     code += "\n// ---- host/device agreement checks (generated)\n"
-    code += inst.params_size_check("cupyflash::FwdParams", inst.FWD_PARAMS_DTYPE)
+    for struct, dtype_attr in inst.PARAMS_STRUCTS[filename]:
+        code += inst.params_size_check(struct, getattr(inst, dtype_attr))
     return code
 
 
 def _source_for(kernels) -> str:
-    return kernel_source() + "".join(k.host_checks() for k in kernels)
+    """One translation unit for kernels that all come from the same .cu file."""
+    (filename,) = {k.source_file for k in kernels}
+    return kernel_source(filename) + "".join(k.host_checks() for k in kernels)
 
 
 # --------------------------------------------------------------------------- run time (a GPU)
 
 
 @functools.cache
-def get_function(kernel: inst.FwdKernel, device_id: int):
+def get_function(kernel, device_id: int):
     """The compiled kernel for the device, memoised; raises ValueError if its tiles cannot fit."""
     import cupy
 
@@ -101,12 +104,13 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 def compile_offline(kernels, arch: str) -> list[KernelReport]:
     """Compiles with NVRTC for `arch` (no GPU needed) and reads ptxas' resource report.
 
-    Raises RuntimeError with NVRTC's log when compilation fails.
+    The kernels must come from one .cu file. Raises RuntimeError with NVRTC's log when
+    compilation fails.
     """
     from cupy_backends.cuda.libs import nvrtc
 
     kernels = list(kernels)
-    prog = nvrtc.createProgram(_source_for(kernels), "flash_fwd.cu", [], [])
+    prog = nvrtc.createProgram(_source_for(kernels), kernels[0].source_file, [], [])
     try:
         for k in kernels:
             nvrtc.addNameExpression(prog, k.name_expression)

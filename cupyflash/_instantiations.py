@@ -1,10 +1,10 @@
-"""The one list of kernel instantiations, and the host's mirror of the kernels' argument layout.
+"""The one list of kernel instantiations, and the host's mirror of the kernels' argument layouts.
 
 Pure Python (no CuPy import): the NumPy tiled reference follows the same block schedule, and
 `check-kernels` compiles every entry on machines without a GPU.
 
-The C++ traits (kernels/flash_fwd_traits.cuh) derive everything from the template arguments chosen
-here. Where the host must know a derived number (shared-memory bytes, the FwdParams layout), the
+The C++ traits (kernels/flash_fwd_traits.cuh, flash_bwd_traits.cuh) derive everything from the template arguments chosen
+here. Where the host must know a derived number (shared-memory bytes, the FwdParams / BwdParams layouts), the
 compiled source carries a static_assert that the host's number is the device's, so the two cannot
 drift apart silently.
 """
@@ -78,6 +78,8 @@ class FwdKernel:
     causal: bool
     tile_override: TileShape | None = None  # for tuning experiments; None: the traits table
 
+    source_file = "flash_fwd.cu"
+
     @property
     def tile(self) -> TileShape:
         return self.tile_override or tile_shape(self.dtype_name, self.head_dim)
@@ -96,25 +98,37 @@ class FwdKernel:
 
     @property
     def name_expression(self) -> str:
-        return f"cupyflash::flash_fwd_kernel<{self.traits}, {'true' if self.causal else 'false'}>"
+        return f"cupyflash::flash_fwd_kernel<{self.traits}, {_cpp_bool(self.causal)}>"
 
     @property
     def smem_bytes(self) -> int:
         # Mirrors FwdTraits::kSmemBytes (checked by the static_assert in host_checks()).
-        t, size = self.tile, accum_itemsize(self.dtype_name)
-        pad = 16 // size
-        qkv_stride, p_stride = self.head_dim + pad, t.block_n + pad
-        elements = (t.block_m + 2 * t.block_n) * qkv_stride + t.block_m * p_stride
-        return elements * size
+        t = self.tile
+        stride, p_stride = _row_stride(self.dtype_name, self.head_dim), _row_stride(self.dtype_name, t.block_n)
+        elements = (t.block_m + 2 * t.block_n) * stride + t.block_m * p_stride
+        return elements * accum_itemsize(self.dtype_name)
 
-    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)
 
     def host_checks(self) -> str:
-        return (
-            f"static_assert({self.traits}::kSmemBytes == {self.smem_bytes}, "
-            f'"cupyflash/_instantiations.py and FwdTraits disagree on shared memory");\n'
-        )
+        return _smem_check(self.traits, self.smem_bytes)
+
+
+def _cpp_bool(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def _row_stride(dtype_name: str, columns: int) -> int:
+    """A shared-memory row of `columns` Accum elements plus the kernels' 16-byte pad."""
+    return columns + 16 // accum_itemsize(dtype_name)
+
+
+def _smem_check(traits: str, smem_bytes: int) -> str:
+    return (
+        f"static_assert({traits}::kSmemBytes == {smem_bytes}, "
+        f'"cupyflash/_instantiations.py and {traits.split("<")[0]} disagree on shared memory");\n'
+    )
 
 
 def fwd_kernel(dtype_name: str, head_dim: int, causal: bool) -> FwdKernel:
@@ -130,6 +144,198 @@ def all_fwd_kernels() -> list[FwdKernel]:
     ]
 
 
+# --------------------------------------------------------------------------- backward
+
+
+@dataclasses.dataclass(frozen=True)
+class DkdvTileShape:
+    block_m: int  # B_r, query rows per iteration
+    block_n: int  # B_c, key rows per thread block
+    num_warps: int
+    rows_per_thread: int  # keys per thread (dK_j, dV_j rows in its registers)
+    dq_rows_per_thread: int  # queries per thread in dQ_i += dS_ij K_j
+    min_blocks_per_sm: int
+
+
+# The dK/dV kernel keeps K_j, V_j, Q_i, dO_i and three score-sized tiles in shared memory and
+# dK_j, dV_j in registers, so its tiles are smaller than the forward's. Chosen to fit an A100's
+# 163 KiB without spills (`python -m cupyflash check-kernels`); not yet tuned by a sweep.
+def dkdv_tile_shape(dtype_name: str, padded_head_dim: int) -> DkdvTileShape:
+    if accum_itemsize(dtype_name) == 4:
+        if padded_head_dim <= 64:
+            dq_rows = 2 if padded_head_dim < 32 else 4  # dQ's 32 column groups need head_dim >= 32
+            return DkdvTileShape(32, 64, 8, 4, dq_rows, min_blocks_per_sm=2)
+        if padded_head_dim <= 128:
+            return DkdvTileShape(32, 64, 8, 4, 4, min_blocks_per_sm=1)
+        return DkdvTileShape(32, 32, 8, 4, 4, min_blocks_per_sm=1)
+    if padded_head_dim <= 64:
+        return DkdvTileShape(16, 32, 8, 2, 1, min_blocks_per_sm=2)
+    if padded_head_dim <= 128:
+        return DkdvTileShape(16, 32, 8, 2, 1, min_blocks_per_sm=1)
+    return DkdvTileShape(16, 16, 8, 1, 1, min_blocks_per_sm=1)
+
+
+# The deterministic dQ kernel: the forward's tile plus dO_i in shared memory.
+def dq_tile_shape(dtype_name: str, padded_head_dim: int) -> TileShape:
+    if accum_itemsize(dtype_name) == 4:
+        if padded_head_dim <= 64:
+            return TileShape(64, 32, num_warps=4, rows_per_thread=4, min_blocks_per_sm=2)
+        if padded_head_dim <= 128:
+            return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=1)
+        return TileShape(32, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=1)
+    if padded_head_dim <= 64:
+        return TileShape(32, 32, num_warps=8, rows_per_thread=2, min_blocks_per_sm=2)
+    if padded_head_dim <= 128:
+        return TileShape(32, 16, num_warps=4, rows_per_thread=4, min_blocks_per_sm=1)
+    return TileShape(16, 16, num_warps=4, rows_per_thread=2, min_blocks_per_sm=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdDkdvKernel:
+    """kernels/flash_bwd.cu's flash_bwd_dkdv_kernel: one block per key block."""
+
+    dtype_name: str
+    head_dim: int  # padded
+    causal: bool
+
+    source_file = "flash_bwd.cu"
+
+    @property
+    def tile(self) -> DkdvTileShape:
+        return dkdv_tile_shape(self.dtype_name, self.head_dim)
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.tile.num_warps
+
+    @property
+    def traits(self) -> str:
+        t = self.tile
+        return (
+            f"cupyflash::BwdDkdvTraits<{ELEMENT_TYPES[self.dtype_name]}, {self.head_dim}, {t.block_m}, "
+            f"{t.block_n}, {t.num_warps}, {t.rows_per_thread}, {t.dq_rows_per_thread}, {t.min_blocks_per_sm}>"
+        )
+
+    @property
+    def name_expression(self) -> str:
+        return f"cupyflash::flash_bwd_dkdv_kernel<{self.traits}, {_cpp_bool(self.causal)}>"
+
+    @property
+    def smem_bytes(self) -> int:
+        # Mirrors BwdDkdvTraits::kSmemBytes: K_j, V_j, Q_i, dO_i, P^T, dS^T, dS, lse_i, D_i.
+        t, name = self.tile, self.dtype_name
+        stride = _row_stride(name, self.head_dim)
+        elements = (
+            2 * (t.block_n + t.block_m) * stride
+            + 2 * t.block_n * _row_stride(name, t.block_m)
+            + t.block_m * _row_stride(name, t.block_n)
+            + 2 * t.block_m
+        )
+        return elements * accum_itemsize(name)
+
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_k / self.tile.block_n), heads, batch)
+
+    def host_checks(self) -> str:
+        return _smem_check(self.traits, self.smem_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdDqKernel:
+    """kernels/flash_bwd.cu's flash_bwd_dq_kernel (deterministic mode): one block per query block."""
+
+    dtype_name: str
+    head_dim: int  # padded
+    causal: bool
+
+    source_file = "flash_bwd.cu"
+
+    @property
+    def tile(self) -> TileShape:
+        return dq_tile_shape(self.dtype_name, self.head_dim)
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.tile.num_warps
+
+    @property
+    def traits(self) -> str:
+        t = self.tile
+        return (
+            f"cupyflash::BwdDqTraits<{ELEMENT_TYPES[self.dtype_name]}, {self.head_dim}, "
+            f"{t.block_m}, {t.block_n}, {t.num_warps}, {t.rows_per_thread}, {t.min_blocks_per_sm}>"
+        )
+
+    @property
+    def name_expression(self) -> str:
+        return f"cupyflash::flash_bwd_dq_kernel<{self.traits}, {_cpp_bool(self.causal)}>"
+
+    @property
+    def smem_bytes(self) -> int:
+        # Mirrors BwdDqTraits::kSmemBytes: Q_i, dO_i, K_j, V_j, dS_ij.
+        t, name = self.tile, self.dtype_name
+        elements = 2 * (t.block_m + t.block_n) * _row_stride(name, self.head_dim)
+        elements += t.block_m * _row_stride(name, t.block_n)
+        return elements * accum_itemsize(name)
+
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)
+
+    def host_checks(self) -> str:
+        return _smem_check(self.traits, self.smem_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdRowKernel:
+    """A one-warp-per-query-row kernel of flash_bwd.cu: "preprocess" (D_i, lse_i in log2 units) or
+    "convert_dq" (the dQ workspace rounded to the input dtype)."""
+
+    step: str
+    dtype_name: str
+
+    source_file = "flash_bwd.cu"
+    rows_per_block = 4
+    smem_bytes = 0
+    causal = False
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.rows_per_block
+
+    @property
+    def name_expression(self) -> str:
+        return f"cupyflash::flash_bwd_{self.step}_kernel<{ELEMENT_TYPES[self.dtype_name]}, {self.rows_per_block}>"
+
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.rows_per_block), heads, batch)
+
+    def host_checks(self) -> str:
+        return ""
+
+
+BWD_ROW_STEPS = ("preprocess", "convert_dq")
+
+
+def bwd_kernels(dtype_name: str, head_dim: int, causal: bool):
+    """(dK/dV kernel, deterministic dQ kernel) for a problem."""
+    d = padded_head_dim(head_dim)
+    return BwdDkdvKernel(dtype_name, d, bool(causal)), BwdDqKernel(dtype_name, d, bool(causal))
+
+
+def all_bwd_kernels() -> list:
+    kernels = [BwdRowKernel(step, dtype_name) for dtype_name in DTYPE_NAMES for step in BWD_ROW_STEPS]
+    for dtype_name in DTYPE_NAMES:
+        for d in PADDED_HEAD_DIMS:
+            for causal in (False, True):
+                kernels += [BwdDkdvKernel(dtype_name, d, causal), BwdDqKernel(dtype_name, d, causal)]
+    return kernels
+
+
+def all_kernels() -> list:
+    """Every instantiation: what `check-kernels` and the CPU compile tests build."""
+    return all_fwd_kernels() + all_bwd_kernels()
+
+
 # The host's image of struct FwdParams (kernels/flash_fwd.cuh); align=True gives C's layout.
 FWD_PARAMS_DTYPE = numpy.dtype(
     [("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8")]
@@ -138,6 +344,22 @@ FWD_PARAMS_DTYPE = numpy.dtype(
     + [("scale_log2", "f8")],
     align=True,
 )
+
+# The host's image of struct BwdParams (kernels/flash_bwd.cuh).
+BWD_PARAMS_DTYPE = numpy.dtype(
+    [(name, "u8") for name in ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse_log2", "d")]
+    + [(f"{t}_{s}_stride", "i8") for t in ("q", "k", "v", "o", "dout", "dq", "dk", "dv") for s in ("batch", "row", "head")]
+    + [("lse_batch_stride", "i8"), ("lse_head_stride", "i8"), ("lse_row_stride", "i8")]
+    + [("heads", "i4"), ("seqlen_q", "i4"), ("seqlen_k", "i4"), ("head_dim", "i4")]
+    + [("scale", "f8"), ("scale_log2", "f8")],
+    align=True,
+)
+
+# The kernel-argument structs each source file defines, for the size checks compiled into it.
+PARAMS_STRUCTS = {
+    "flash_fwd.cu": (("cupyflash::FwdParams", "FWD_PARAMS_DTYPE"),),
+    "flash_bwd.cu": (("cupyflash::FwdParams", "FWD_PARAMS_DTYPE"), ("cupyflash::BwdParams", "BWD_PARAMS_DTYPE")),
+}
 
 
 def params_size_check(struct: str, dtype: numpy.dtype) -> str:

@@ -54,6 +54,7 @@ class AttentionProblem:
     causal: bool
     scale: float
     return_lse: bool
+    deterministic: bool = False
 
 
 def check_attention_args(q, k, v, *, causal, scale, return_lse) -> AttentionProblem:
@@ -103,6 +104,37 @@ def check_attention_args(q, k, v, *, causal, scale, return_lse) -> AttentionProb
         scale=check_scale(scale, head_dim),
         return_lse=check_flag(return_lse, "return_lse"),
     )
+
+
+def lse_dtype(dtype_name_: str) -> numpy.dtype:
+    """lse's dtype: float32, or float64 for float64 inputs (the backward recomputes P from it)."""
+    return numpy.dtype(numpy.float64 if dtype_name_ == "float64" else numpy.float32)
+
+
+def check_backward_args(dout, q, k, v, out, lse, *, causal, scale, deterministic) -> AttentionProblem:
+    """Validates the arguments of attention_backward (NumPy or CuPy arrays, already on one side)."""
+    problem = check_attention_args(q, k, v, causal=causal, scale=scale, return_lse=False)
+    for name, x in (("dout", dout), ("out", out)):
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+        _check_strides(x, name)
+    expected_lse = (problem.batch, problem.heads, problem.seqlen_q)
+    if tuple(lse.shape) != expected_lse:
+        raise ValueError(
+            f"lse must have shape (batch, heads, seqlen_q) = {expected_lse}, as attention(..., "
+            f"return_lse=True) returns it, got {tuple(lse.shape)}"
+        )
+    want = lse_dtype(problem.dtype_name)
+    if lse.dtype != want:
+        raise TypeError(
+            f"lse must be {want} for {problem.dtype_name} inputs, as attention(..., return_lse=True) "
+            f"returns it, got {lse.dtype}"
+        )
+    if lse.size and any(stride % lse.dtype.itemsize for stride in lse.strides):
+        raise ValueError(f"lse's strides must be multiples of its itemsize {lse.dtype.itemsize}, got {lse.strides}")
+    return dataclasses.replace(problem, deterministic=check_flag(deterministic, "deterministic"))
 
 
 def _check_strides(x, name: str) -> None:

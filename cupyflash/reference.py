@@ -87,6 +87,13 @@ def noise_floor(dtype_name: str) -> float:
 
 
 def _materialised_attention(q, k, v, p, compute, rounding):
+    out, lse, _ = _materialised_forward(q, k, v, p, compute, rounding)
+    return out.transpose(0, 2, 1, 3).astype(numpy.float64), lse[..., 0].astype(numpy.float64)
+
+
+def _materialised_forward(q, k, v, p, compute, rounding):
+    """(out, lse, probs) in (batch, heads, seq, ...) layout, in `compute` precision."""
+
     def rounded(x):
         return x if rounding is None else x.astype(rounding).astype(compute)
 
@@ -99,10 +106,61 @@ def _materialised_attention(q, k, v, p, compute, rounding):
     weights = numpy.exp(scores - m_safe)
     l = weights.sum(axis=-1, keepdims=True)
     probs = rounded(numpy.divide(weights, l, out=numpy.zeros_like(weights), where=l > 0))
-    out = rounded(probs @ vh).transpose(0, 2, 1, 3).astype(numpy.float64)
+    out = rounded(probs @ vh)
     with numpy.errstate(divide="ignore"):
-        lse = numpy.where(l > 0, m_safe + numpy.log(l), -numpy.inf)[..., 0].astype(numpy.float64)
-    return out, lse
+        lse = numpy.where(l > 0, m_safe + numpy.log(l), -numpy.inf)
+    return out, lse, probs
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def attention_backward(dout, q, k, v, *, causal=False, scale=None):
+    """Exact gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), in float64.
+
+    With S = scale Q K^T, P = softmax(S) (masked entries 0) and O = P V:
+    dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),  dQ = scale dS K,  dK = scale dS^T Q.
+    Materialises P; arguments as `attention`, dout with q's shape. Returns float64 arrays with
+    the shapes of q, k, v.
+    """
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale)
+    return _materialised_backward(dout, q, k, v, p, numpy.float64, None)
+
+
+def attention_backward_in_precision(dout, q, k, v, dtype, *, causal=False, scale=None):
+    """Standard attention's backward done in `dtype`'s precision (the tolerance baseline):
+    float32/float64 in their own precision; for 16-bit dtypes float32 arithmetic with S, P, O,
+    dP, dS and the gradients rounded to `dtype`, as a framework's autograd of 16-bit standard
+    attention does. Returns float64."""
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale)
+    name = _validation.dtype_name(dtype, "dtype")
+    compute = numpy.float64 if name == "float64" else numpy.float32
+    rounding = numpy.dtype(dtype) if name in ("float16", "bfloat16") else None
+    return _materialised_backward(dout, q, k, v, p, compute, rounding)
+
+
+def _prepare_backward(dout, q, k, v, causal, scale):
+    p, q, k, v = _prepare(q, k, v, causal, scale, False)
+    dout = _as_float64(dout)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
+    return p, dout, q, k, v
+
+
+def _materialised_backward(dout, q, k, v, p, compute, rounding):
+    def rounded(x):
+        return x if rounding is None else x.astype(rounding).astype(compute)
+
+    _, _, probs = _materialised_forward(q, k, v, p, compute, rounding)
+    qh, kh, vh, doh = (x.astype(compute).transpose(0, 2, 1, 3) for x in (q, k, v, dout))
+    scale = compute(p.scale)
+    dv = rounded(probs.transpose(0, 1, 3, 2) @ doh)
+    dp = rounded(doh @ vh.transpose(0, 1, 3, 2))
+    d = (dp * probs).sum(axis=-1, keepdims=True)  # = rowsum(dO * O): softmax's Jacobian-vector product
+    ds = rounded(probs * (dp - d))
+    dq = rounded(ds @ kh) * scale
+    dk = rounded(ds.transpose(0, 1, 3, 2) @ qh) * scale
+    return tuple(rounded(x).transpose(0, 2, 1, 3).astype(numpy.float64) for x in (dq, dk, dv))
 
 
 def tiled_attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None):
@@ -155,3 +213,51 @@ def _visible_key_blocks(row0: int, rows: int, seqlen_q: int, seqlen_k: int, bloc
         last_key = row0 + rows - 1 + seqlen_k - seqlen_q
         n_blocks = min(n_blocks, 0 if last_key < 0 else last_key // block_n + 1)
     return n_blocks
+
+
+def tiled_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, block_m=None, block_n=None):
+    """FlashAttention-2's backward (Algorithm 2) in float64, block by block as the dK/dV kernel
+    schedules it: an outer loop over key blocks holding dK_j, dV_j, an inner loop over the query
+    blocks that can see them, P_ij recomputed from the saved lse, dQ summed across key blocks.
+
+    Arguments as `cupyflash.attention_backward`: `out` and `lse` are the forward's. block_m
+    (query rows per step) and block_n (keys per block) default to the kernel's tile. Returns
+    float64 (dq, dk, dv).
+    """
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale)
+    out, lse = _as_float64(out), _as_float64(lse)
+    tile = _instantiations.dkdv_tile_shape(p.dtype_name, _instantiations.padded_head_dim(p.head_dim))
+    block_m = block_m or tile.block_m
+    block_n = block_n or tile.block_n
+    sq, sk = p.seqlen_q, p.seqlen_k
+    # Preprocessing: D_i = rowsum(dO_i * O_i); lse in log2 units, +inf where no key was seen so
+    # that P = exp2(s - lse) is exactly 0 there (as -inf would give NaN on masked scores).
+    d = numpy.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
+    lse_log2 = numpy.where(numpy.isneginf(lse), numpy.inf, lse * LOG2E)[..., None]
+    scale_log2 = p.scale * LOG2E
+    dq = numpy.zeros(q.shape)
+    dk = numpy.zeros(k.shape)
+    dv = numpy.zeros(v.shape)
+
+    for col0 in range(0, sk, block_n):  # one thread block per key block j (and head, batch)
+        cols = min(block_n, sk - col0)
+        k_j, v_j = k[:, col0 : col0 + cols], v[:, col0 : col0 + cols]
+        dk_j = numpy.zeros((p.batch, cols, p.heads, p.head_dim))
+        dv_j = numpy.zeros_like(dk_j)
+        # With causal, query blocks that end before the first query seeing key col0 are skipped.
+        first_block = max(col0 - (sk - sq), 0) // block_m if p.causal else 0
+        for row0 in range(first_block * block_m, sq, block_m):
+            rows = min(block_m, sq - row0)
+            q_i, do_i = q[:, row0 : row0 + rows], dout[:, row0 : row0 + rows]
+            s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i, k_j)
+            if p.causal and col0 + block_n - 1 > row0 + sk - sq:
+                s_ij[..., _tile_causal_mask(row0, rows, col0, cols, sq, sk)] = -numpy.inf
+            p_ij = numpy.exp2(s_ij * scale_log2 - lse_log2[:, :, row0 : row0 + rows])
+            dv_j += numpy.einsum("bhqk,bqhd->bkhd", p_ij, do_i)
+            dp_ij = numpy.einsum("bqhd,bkhd->bhqk", do_i, v_j)
+            ds_ij = p_ij * (dp_ij - d[:, :, row0 : row0 + rows])
+            dk_j += numpy.einsum("bhqk,bqhd->bkhd", ds_ij, q_i)
+            dq[:, row0 : row0 + rows] += p.scale * numpy.einsum("bhqk,bkhd->bqhd", ds_ij, k_j)
+        dk[:, col0 : col0 + cols] = p.scale * dk_j
+        dv[:, col0 : col0 + cols] = dv_j
+    return dq, dk, dv

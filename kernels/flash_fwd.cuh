@@ -15,7 +15,7 @@ struct FwdParams {
     const void* k;  // [batch, seqlen_k, heads, head_dim], likewise
     const void* v;  // [batch, seqlen_k, heads, head_dim], likewise
     void* o;        // [batch, seqlen_q, heads, head_dim]
-    float* lse;     // [batch, heads, seqlen_q], contiguous, natural log
+    void* lse;      // [batch, heads, seqlen_q], contiguous, Accum (float32; float64 for float64), natural log
     // Strides in elements. 64-bit: batch * seqlen * heads * head_dim passes 2^31 easily.
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
@@ -231,8 +231,9 @@ __device__ __forceinline__ void epilogue(
         if (tx == 0) {
             // m_i is in log2 units (scores were prescaled by log2(e)).
             const Accum lse = l_row > Accum(0) ? m[i] * Accum(kLn2) + log_(l_row) : neg_inf<Accum>();
-            params.lse[(static_cast<long long>(batch_idx) * params.heads + head_idx) * params.seqlen_q +
-                       row] = static_cast<float>(lse);
+            // Kept in Accum precision: the backward pass recomputes P_ij = exp(S_ij - lse_i) from it.
+            static_cast<Accum*>(params.lse)[(static_cast<long long>(batch_idx) * params.heads + head_idx) *
+                                                params.seqlen_q + row] = lse;
         }
     }
 }

@@ -71,11 +71,14 @@ template <> __device__ __forceinline__ double neg_inf<double>() {
     return __longlong_as_double(static_cast<long long>(0xfff0000000000000ULL));
 }
 
+template <typename T> __device__ __forceinline__ T pos_inf() { return -neg_inf<T>(); }
+
 template <typename T> __device__ __forceinline__ T shfl_xor(T x, int lane_mask) {
     return __shfl_xor_sync(0xffffffffu, x, lane_mask);
 }
 
-constexpr double kLn2 = 0.693147180559945309417232121458176568;  // ln(2): lse = m·ln2 + ln(l)
+constexpr double kLn2 = 0.693147180559945309417232121458176568;   // ln(2): lse = m·ln2 + ln(l)
+constexpr double kLog2e = 1.442695040888963407359924681001892137;  // log2(e): exp(x) = exp2(x·log2(e))
 
 __host__ __device__ constexpr int gcd_(int a, int b) { return b == 0 ? a : gcd_(b, a % b); }
 

@@ -53,7 +53,7 @@ def test_awkward_shapes(rng, nan_outputs, dtype, seqlen_q, seqlen_k, head_dim, c
     q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, seqlen_q, seqlen_k, 3, head_dim))
     out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
     assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == q.shape
-    assert lse.dtype == numpy.float32 and lse.shape == (2, 3, seqlen_q)
+    assert lse.dtype == (numpy.float64 if dtype == "float64" else numpy.float32) and lse.shape == (2, 3, seqlen_q)
     assert_matches_reference(q, k, v, out, lse, dtype, causal)
 
 

@@ -1,4 +1,4 @@
-"""Every kernel instantiation compiles with NVRTC for sm_80 and sm_90a, without spills; the
+"""Every kernel instantiation (forward and backward) compiles with NVRTC for sm_80 and sm_90a, without spills; the
 compile-time checks that tie the host's numbers to the kernels' really fire. No GPU needed."""
 
 import pathlib
@@ -15,10 +15,12 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy's NVRT
 ARCHS = ["sm_80", "sm_90a"]
 
 
+@pytest.mark.parametrize("source_file", ["flash_fwd.cu", "flash_bwd.cu"])
 @pytest.mark.parametrize("dtype_name", _instantiations.DTYPE_NAMES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_instantiation_compiles_without_spills(arch, dtype_name):
-    kernels = [k for k in _instantiations.all_fwd_kernels() if k.dtype_name == dtype_name]
+def test_every_instantiation_compiles_without_spills(arch, dtype_name, source_file):
+    kernels = [k for k in _instantiations.all_kernels() if k.dtype_name == dtype_name and k.source_file == source_file]
+    assert kernels
     reports = _compile.compile_offline(kernels, arch)
     assert sorted(r.name_expression for r in reports) == sorted(k.name_expression for k in kernels)
     for r in reports:
@@ -30,6 +32,15 @@ def test_every_instantiation_compiles_without_spills(arch, dtype_name):
 def test_instantiation_list_covers_every_dtype_head_dim_and_causal_setting():
     kernels = _instantiations.all_fwd_kernels()
     assert len(set(kernels)) == len(kernels) == 4 * len(_instantiations.PADDED_HEAD_DIMS) * 2
+    everything = _instantiations.all_kernels()
+    assert len(set(everything)) == len(everything)
+    for dtype_name in _instantiations.DTYPE_NAMES:
+        for d in range(1, 257, 7):
+            for causal in (False, True):
+                assert _instantiations.fwd_kernel(dtype_name, d, causal) in everything
+                assert all(k in everything for k in _instantiations.bwd_kernels(dtype_name, d, causal))
+        for step in _instantiations.BWD_ROW_STEPS:
+            assert _instantiations.BwdRowKernel(step, dtype_name) in everything
     for d in range(1, 257):
         padded = _instantiations.padded_head_dim(d)
         assert d <= padded and padded in _instantiations.PADDED_HEAD_DIMS
@@ -45,19 +56,32 @@ def test_wrong_shared_memory_size_fails_to_compile(monkeypatch):
         _compile.compile_offline([kernel], "sm_80")
 
 
-def test_wrong_params_layout_fails_to_compile(monkeypatch):
-    wider = numpy.dtype(_instantiations.FWD_PARAMS_DTYPE.descr + [("extra", "i8")], align=True)
-    monkeypatch.setattr(_instantiations, "FWD_PARAMS_DTYPE", wider)
+@pytest.mark.parametrize("kernel_class", [_instantiations.BwdDkdvKernel, _instantiations.BwdDqKernel])
+def test_wrong_backward_shared_memory_size_fails_to_compile(monkeypatch, kernel_class):
+    kernel = kernel_class("float64", 96, True)
+    true_bytes = kernel.smem_bytes
+    monkeypatch.setattr(kernel_class, "smem_bytes", property(lambda self: true_bytes - 8))
+    with pytest.raises(RuntimeError, match="disagree on shared memory"):
+        _compile.compile_offline([kernel], "sm_80")
+
+
+@pytest.mark.parametrize("attr,kernel", [
+    ("FWD_PARAMS_DTYPE", _instantiations.fwd_kernel("float32", 64, False)),
+    ("BWD_PARAMS_DTYPE", _instantiations.BwdRowKernel("preprocess", "float32")),
+])
+def test_wrong_params_layout_fails_to_compile(monkeypatch, attr, kernel):
+    wider = numpy.dtype(getattr(_instantiations, attr).descr + [("extra", "i8")], align=True)
+    monkeypatch.setattr(_instantiations, attr, wider)
     _compile.kernel_source.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="size differs from the host"):
-            _compile.compile_offline([_instantiations.fwd_kernel("float32", 64, False)], "sm_80")
+            _compile.compile_offline([kernel], "sm_80")
     finally:
         _compile.kernel_source.cache_clear()
 
 
 def test_source_holds_every_header_byte_so_the_cache_key_sees_edits(tmp_path, monkeypatch):
-    source = _compile.kernel_source()
+    source = _compile.kernel_source("flash_bwd.cu")  # includes every header
     for header in _compile.kernels_dir().glob("*.cuh"):
         # Every run of text between #include / #pragma once lines appears verbatim.
         for chunk in _compile._INCLUDE.split(_compile._PRAGMA_ONCE.sub("", header.read_text()))[::2]:
@@ -70,7 +94,8 @@ def test_source_holds_every_header_byte_so_the_cache_key_sees_edits(tmp_path, mo
     monkeypatch.setattr(_compile, "kernels_dir", lambda: copy)
     _compile.kernel_source.cache_clear()
     try:
-        assert _compile.kernel_source() != source and "// an edit" in _compile.kernel_source()
+        edited = _compile.kernel_source("flash_bwd.cu")
+        assert edited != source and "// an edit" in edited
     finally:
         _compile.kernel_source.cache_clear()
 
@@ -79,8 +104,9 @@ def test_check_kernels_command(tmp_path):
     cmd = [sys.executable, "-m", "cupyflash", "check-kernels", "--arch", "sm_80", "--dtype", "float64"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "18 of 18 kernel builds compiled; 0 spill" in done.stdout
+    assert "58 of 58 kernel builds compiled; 0 spill" in done.stdout  # 18 forward, 40 backward
     assert "cupyflash::FwdTraits<double, 256" in done.stdout
+    assert "cupyflash::BwdDkdvTraits<double, 256" in done.stdout
 
     bad = subprocess.run(cmd[:4] + ["--arch", "sm_1", "--dtype", "float64"], capture_output=True, text=True,
                          cwd=pathlib.Path(__file__).parents[1])

@@ -125,13 +125,117 @@ def test_public_attention_falls_back_to_tiled_numpy_without_gpu(rng, dtype):
     q, k, v = random_qkv(rng, dtype, 2, 33, 47, 3, 40)
     out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
     assert isinstance(out, numpy.ndarray) and out.dtype == q.dtype and out.shape == q.shape
-    assert lse.dtype == numpy.float32 and lse.shape == (2, 3, 33)
+    assert lse.dtype == (numpy.float64 if dtype == "float64" else numpy.float32) and lse.shape == (2, 3, 33)
     ref, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
     # The float64 algorithm (exact to ~1e-15), then one rounding to the output dtype.
     eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}[dtype]
     atol = eps * numpy.abs(ref).max() + 1e-13
     numpy.testing.assert_allclose(out.astype(numpy.float64), ref, rtol=0, atol=atol)
     numpy.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def finite_difference_grads(dout, q, k, v, causal, scale, h=1e-6):
+    """Central differences of sum(dout * reference.attention(q, k, v)) for every input element."""
+
+    def loss(*args):
+        return float((reference.attention(*args, causal=causal, scale=scale) * dout).sum())
+
+    grads = []
+    for which in range(3):
+        args = [q, k, v]
+        grad = numpy.zeros_like(args[which])
+        for idx in numpy.ndindex(grad.shape):
+            plus, minus = args[which].copy(), args[which].copy()
+            plus[idx] += h
+            minus[idx] -= h
+            grad[idx] = (loss(*args[:which], plus, *args[which + 1:]) - loss(*args[:which], minus, *args[which + 1:])) / (2 * h)
+        grads.append(grad)
+    return grads
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim", [(1, 1, 1), (4, 6, 3), (6, 4, 2), (5, 5, 4), (6, 2, 3)])
+def test_reference_backward_matches_finite_differences(rng, causal, seqlen_q, seqlen_k, head_dim):
+    q, k, v = random_qkv(rng, "float64", 1, seqlen_q, seqlen_k, 2, head_dim)
+    dout = rng.standard_normal(q.shape)
+    grads = reference.attention_backward(dout, q, k, v, causal=causal, scale=0.8)
+    for name, got, fd in zip("qkv", grads, finite_difference_grads(dout, q, k, v, causal, 0.8)):
+        assert got.shape == fd.shape
+        numpy.testing.assert_allclose(got, fd, rtol=0, atol=1e-7, err_msg=f"d{name}")
+    if causal and seqlen_q > seqlen_k:  # queries that see no key get no gradient
+        assert (grads[0][:, : seqlen_q - seqlen_k] == 0).all()
+
+
+def _assert_tiled_backward_matches(dout, q, k, v, causal, **kw):
+    out, lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    expected = reference.attention_backward(dout, q, k, v, causal=causal)
+    got = reference.tiled_attention_backward(dout, q, k, v, out, lse, causal=causal, **kw)
+    for name, g, e in zip("qkv", got, expected):
+        assert not numpy.isnan(g).any()
+        numpy.testing.assert_allclose(g, e, rtol=0, atol=1e-12 * max(1.0, numpy.abs(e).max(initial=0)), err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim", AWKWARD_SHAPES)
+def test_tiled_backward_matches_reference_on_awkward_shapes(rng, causal, seqlen_q, seqlen_k, head_dim):
+    q, k, v = random_qkv(rng, "float64", 1, seqlen_q, seqlen_k, 2, head_dim)
+    dout = rng.standard_normal(q.shape)
+    _assert_tiled_backward_matches(dout, q, k, v, causal)
+
+
+@pytest.mark.parametrize("head_dim", [16, 59, 200])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiled_backward_per_dtype_tile(rng, dtype, head_dim):
+    q, k, v = random_qkv(rng, dtype, 1, 75, 91, 2, head_dim)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    _assert_tiled_backward_matches(*(x.astype(numpy.float64) for x in (dout, q, k, v)), True)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(1, 1), (16, 64), (7, 5)])
+def test_tiled_backward_with_other_block_sizes(rng, block_m, block_n):
+    q, k, v = random_qkv(rng, "float64", 1, 40, 33, 2, 8)
+    _assert_tiled_backward_matches(rng.standard_normal(q.shape), q, k, v, True, block_m=block_m, block_n=block_n)
+
+
+def test_backward_in_precision_baseline_orders_the_dtypes(rng):
+    q, k, v = random_qkv(rng, "float64", 1, 64, 80, 2, 32)
+    dout = rng.standard_normal(q.shape)
+    errors = {}
+    for name in DTYPES:
+        dt = numpy_dtype(name)
+        args = [x.astype(dt) for x in (dout, q, k, v)]
+        exact = reference.attention_backward(*args)
+        lowp = reference.attention_backward_in_precision(*args, dt)
+        errors[name] = max(numpy.abs(a - b).max() for a, b in zip(lowp, exact))
+    assert errors["float64"] < 1e-13 < errors["float32"] < 1e-4 < errors["float16"] < errors["bfloat16"] < 0.5
+    # A wrong gradient (the scale left out of dq) is far outside the float16 bound.
+    args16 = [x.astype(numpy.float16) for x in (dout, q, k, v)]
+    exact = reference.attention_backward(*args16)
+    lowp = reference.attention_backward_in_precision(*args16, numpy.float16)
+    wrong_dq = exact[0] * math.sqrt(32)
+    assert numpy.abs(wrong_dq - exact[0]).max() > reference.error_bound(exact[0], lowp[0], "float16")
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_public_backward_falls_back_to_tiled_numpy_without_gpu(rng, dtype):
+    q, k, v = random_qkv(rng, dtype, 2, 33, 47, 3, 40)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    expected = reference.tiled_attention_backward(dout, q, k, v, out, lse, causal=True)
+    for g, x, e in zip(grads, (q, k, v), expected):
+        assert isinstance(g, numpy.ndarray) and g.dtype == x.dtype and g.shape == x.shape
+        numpy.testing.assert_array_equal(g, e.astype(x.dtype))  # the float64 algorithm, rounded once
+    # And the fallback is the right gradient: within the rounding of the output dtype of exact.
+    exact = reference.attention_backward(dout, q, k, v, causal=True)
+    eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}[dtype]
+    for g, e in zip(grads, exact):
+        # out and lse were rounded to the input dtype first, so allow a few ulps of it.
+        assert numpy.abs(g.astype(numpy.float64) - e).max() <= 64 * eps * max(1.0, numpy.abs(e).max())
 
 
 @pytest.mark.cpu_only

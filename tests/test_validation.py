@@ -33,8 +33,8 @@ def no_launch(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("device work started before validation finished")
 
-    monkeypatch.setattr(_attention, "launch_forward", fail)
-    monkeypatch.setattr(_attention, "_forward_cpu", fail)
+    for name in ("launch_forward", "_forward_cpu", "launch_backward", "_backward_cpu"):
+        monkeypatch.setattr(_attention, name, fail)
 
 
 def check_raises(exc, match, q, k, v, **kwargs):
@@ -144,3 +144,62 @@ def test_arrays_on_different_devices():
 def test_unsupported_dlpack_device():
     arrays = [FakeDeviceArray(10, 0)] * 3  # ROCm
     check_raises(TypeError, r"^q lives on DLPack device type 10", *arrays)
+
+
+# --------------------------------------------------------------------------- attention_backward
+
+
+@pytest.fixture
+def bwd_args(rng, qkv):
+    q, k, v = qkv
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    out = rng.standard_normal(q.shape).astype(q.dtype)
+    lse = rng.standard_normal((2, 3, 9)).astype(numpy.float32)
+    return {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+
+
+def check_backward_raises(exc, match, args, **kwargs):
+    before = {n: numpy.array(x, copy=True) for n, x in args.items() if isinstance(x, numpy.ndarray)}
+    with pytest.raises(exc, match=match):
+        cupyflash.attention_backward(*args.values(), **kwargs)
+    for n, x0 in before.items():
+        numpy.testing.assert_array_equal(args[n], x0)  # untouched
+
+
+@pytest.mark.parametrize("which", ["dout", "out"])
+def test_backward_dout_and_out_must_match_q(bwd_args, which):
+    bad = dict(bwd_args, **{which: bwd_args[which][:, :5]})
+    check_backward_raises(ValueError, rf"^{which} must have q's shape \(2, 9, 3, 16\), got \(2, 5, 3, 16\)", bad)
+    bad = dict(bwd_args, **{which: bwd_args[which].astype(numpy.float64)})
+    check_backward_raises(TypeError, rf"^{which} must have q's dtype float32, got float64", bad)
+    bad = dict(bwd_args, **{which: numpy.asfortranarray(bwd_args[which])})
+    check_backward_raises(ValueError, rf"^{which}'s last axis \(head_dim\) must be contiguous", bad)
+
+
+def test_backward_lse_shape_and_dtype(bwd_args):
+    bad = dict(bwd_args, lse=bwd_args["lse"][:, :, :4])
+    check_backward_raises(ValueError, r"^lse must have shape \(batch, heads, seqlen_q\) = \(2, 3, 9\)", bad)
+    bad = dict(bwd_args, lse=bwd_args["lse"].astype(numpy.float16))
+    check_backward_raises(TypeError, r"^lse must be float32 for float32 inputs", bad)
+    as64 = {n: x.astype(numpy.float64) for n, x in bwd_args.items() if n != "lse"}
+    check_backward_raises(TypeError, r"^lse must be float64 for float64 inputs", dict(as64, lse=bwd_args["lse"]))
+
+
+def test_backward_checks_q_k_v_like_the_forward(bwd_args):
+    check_backward_raises(ValueError, r"^k must have shape \(batch=2, seqlen_k, heads=3, head_dim=16\)",
+                          dict(bwd_args, k=bwd_args["k"][:, :, :2]))
+    check_backward_raises(TypeError, r"^dout must be an array", dict(bwd_args, dout=[1.0]))
+    check_backward_raises(ValueError, r"^scale must be finite and positive", bwd_args, scale=-1.0)
+
+
+@pytest.mark.parametrize("flag", ["causal", "deterministic"])
+def test_backward_flags_must_be_bool(bwd_args, flag):
+    check_backward_raises(TypeError, rf"^{flag} must be True or False, got 1", bwd_args, **{flag: 1})
+
+
+def test_backward_mixed_host_and_device(bwd_args):
+    check_backward_raises(
+        ValueError, r"^dout, q, k, v, out and lse must all be on the GPU or all on the host; got dout on the host, "
+        r"q on the host, k on the host, v on the host, out on the host, lse on the GPU",
+        dict(bwd_args, lse=FakeDeviceArray()),
+    )

@@ -1,0 +1,143 @@
+"""cupyflash attention as a differentiable JAX function.
+
+    import cupyflash.jax
+    out = cupyflash.jax.attention(q, k, v, causal=True)            # q, k, v: jax arrays
+    dq = jax.grad(lambda q: cupyflash.jax.attention(q, k, v).sum())(q)
+
+Works eagerly and under `jax.jit`: the kernels run through `jax.experimental.buffer_callback`,
+which hands XLA's own device buffers and CUDA stream to cupyflash, so nothing is copied and the
+launches are ordered with the rest of the XLA computation. The gradient is a `jax.custom_vjp`
+whose backward is `cupyflash.attention_backward`. On JAX's CPU backend the NumPy tiled fallback
+runs instead. Importing this module imports jax, which cupyflash does not otherwise need.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import numpy
+
+from cupyflash import _attention, _validation, reference
+
+try:
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError as e:  # pragma: no cover - depends on the JAX version
+    raise ImportError(
+        "cupyflash.jax needs a JAX with jax.experimental.buffer_callback (JAX 0.7 or newer)"
+    ) from e
+
+__all__ = ["attention"]
+
+
+def attention(q, k, v, *, causal=False, scale=None, deterministic=False):
+    """`cupyflash.attention(q, k, v, causal=causal, scale=scale)` for JAX arrays, differentiable
+    through `cupyflash.attention_backward`. `deterministic=True` makes the gradients bitwise
+    reproducible. Returns out only; arguments are checked when the call is traced."""
+    return _attention_vjp(q, k, v, bool(causal), scale, bool(deterministic))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention_vjp(q, k, v, causal, scale, deterministic):
+    return _forward(q, k, v, causal, scale)[0]
+
+
+def _attention_fwd(q, k, v, causal, scale, deterministic):
+    out, lse = _forward(q, k, v, causal, scale)
+    return out, (q, k, v, out, lse)
+
+
+def _attention_bwd(causal, scale, deterministic, residuals, dout):
+    return _backward(dout, *residuals, causal, scale, deterministic)
+
+
+_attention_vjp.defvjp(_attention_fwd, _attention_bwd)
+
+
+class _Spec:
+    """Shape and dtype of a (possibly traced) JAX array, with the C-contiguous strides XLA's
+    default layout gives a callback's buffers, for the shared argument checks."""
+
+    def __init__(self, x):
+        self.shape = tuple(x.shape)
+        self.dtype = numpy.dtype(x.dtype)
+        self.ndim = len(self.shape)
+        self.size = math.prod(self.shape)
+        strides, step = [], self.dtype.itemsize
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= max(n, 1)
+        self.strides = tuple(reversed(strides))
+
+
+def _forward(q, k, v, causal, scale):
+    p = _validation.check_attention_args(*map(_Spec, (q, k, v)), causal=causal, scale=scale, return_lse=True)
+    result = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((p.batch, p.heads, p.seqlen_q), _validation.lse_dtype(p.dtype_name)),
+    )
+
+    def run(ctx, outs, q, k, v):
+        out, lse = outs
+        if not _on_gpu(q):
+            o, l = reference.tiled_attention(*map(numpy.asarray, (q, k, v)), causal=p.causal, scale=p.scale, return_lse=True)
+            numpy.asarray(out)[...] = o.astype(out.dtype)
+            numpy.asarray(lse)[...] = l.astype(lse.dtype)
+            return
+        with _on_xla_stream(ctx, q):
+            arrays = [_as_cupy(x, d.dtype) for x, d in zip((q, k, v, out, lse), (*given, *result))]
+            if arrays[3].size:
+                _attention.launch_forward(*arrays, p)
+
+    given = (q, k, v)
+    return buffer_callback(run, result)(q, k, v)
+
+
+def _backward(dout, q, k, v, out, lse, causal, scale, deterministic):
+    p = _validation.check_backward_args(
+        *map(_Spec, (dout, q, k, v, out, lse)), causal=causal, scale=scale, deterministic=deterministic
+    )
+    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+
+    def run(ctx, grads, dout, q, k, v, out, lse):
+        if not _on_gpu(q):
+            inputs = map(numpy.asarray, (dout, q, k, v, out, lse))
+            for g, value in zip(grads, reference.tiled_attention_backward(*inputs, causal=p.causal, scale=p.scale)):
+                numpy.asarray(g)[...] = value.astype(g.dtype)
+            return
+        with _on_xla_stream(ctx, q):
+            arrays = [_as_cupy(x, d.dtype) for x, d in zip((dout, q, k, v, out, lse, *grads), (*given, *result))]
+            _attention.launch_backward(*arrays, p)
+
+    given = (dout, q, k, v, out, lse)
+    return buffer_callback(run, result)(dout, q, k, v, out, lse)
+
+
+def _on_gpu(buffer) -> bool:
+    return hasattr(buffer, "__cuda_array_interface__")
+
+
+def _on_xla_stream(ctx, buffer):
+    import contextlib
+
+    import cupy
+
+    device_id = cupy.cuda.runtime.pointerGetAttributes(buffer.__cuda_array_interface__["data"][0]).device
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(device_id))
+    stack.enter_context(cupy.cuda.ExternalStream(int(ctx.stream), device_id))
+    return stack
+
+
+def _as_cupy(buffer, dtype):
+    """A CuPy view of an XLA device buffer (C-contiguous) of the given dtype, built from the
+    interface's pointer: the interface spells bfloat16 as an opaque void type."""
+    import cupy
+
+    info = buffer.__cuda_array_interface__
+    shape = tuple(info["shape"])
+    dtype = numpy.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    memory = cupy.cuda.UnownedMemory(info["data"][0], nbytes, buffer)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))

@@ -1,0 +1,67 @@
+"""cupyflash attention as a differentiable PyTorch function.
+
+    import cupyflash.torch
+    out = cupyflash.torch.attention(q, k, v, causal=True)   # q, k, v: torch tensors
+    out.sum().backward()                                     # runs cupyflash.attention_backward
+
+Tensors have the layout of `cupyflash.attention`: (batch, seq, heads, head_dim); a
+(batch, heads, seq, head_dim) tensor passes as ``x.transpose(1, 2)`` without a copy. CUDA tensors
+go through DLPack without copies and run on PyTorch's current stream of their device; CPU
+tensors take `cupyflash.attention`'s host path. Importing this module imports torch, which
+cupyflash does not otherwise need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from cupyflash import _attention
+
+__all__ = ["attention", "FlashAttentionFunction"]
+
+
+def attention(q, k, v, *, causal=False, scale=None, deterministic=False):
+    """`cupyflash.attention(q, k, v, causal=causal, scale=scale)` for torch tensors, with a
+    backward pass (`cupyflash.attention_backward`) for autograd. `deterministic=True` makes the
+    gradients bitwise reproducible (see attention_backward). Returns out only."""
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic)
+
+
+def _on_torch_stream(x):
+    """CuPy's current stream set to PyTorch's current stream on x's device (nothing for CPU)."""
+    if not x.is_cuda:
+        return contextlib.nullcontext()
+    import cupy
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(x.device.index))
+    stream = torch.cuda.current_stream(x.device)
+    stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, x.device.index))
+    return stack
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Forward: out, lse = cupyflash.attention(...); saves q, k, v, out, lse (O(seqlen) extra).
+    Backward: cupyflash.attention_backward, recomputing the attention matrix tile by tile."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, deterministic):
+        # DLPack refuses tensors that require grad; the kernels only read them.
+        q, k, v = (x.detach() for x in (q, k, v))
+        with _on_torch_stream(q):
+            out, lse = _attention.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = {"causal": causal, "scale": scale, "deterministic": deterministic}
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.detach()
+        if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
+            dout = dout.contiguous()
+        with _on_torch_stream(q):
+            dq, dk, dv = _attention.attention_backward(dout, q, k, v, out, lse, **ctx.options)
+        return dq, dk, dv, None, None, None

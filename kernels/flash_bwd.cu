@@ -1,0 +1,277 @@
+// Exact attention backward: FlashAttention-2, Algorithm 2, on CUDA cores, in up to four launches:
+//   1. flash_bwd_preprocess_kernel: D_i = rowsum(dO_i ∘ O_i), lse_i in log2 units;
+//   2. flash_bwd_dkdv_kernel: one block per key block; dK_j, dV_j on chip while it walks the query
+//      blocks; dQ_i summed into a workspace with atomics (unless deterministic);
+//   3. deterministic mode: flash_bwd_dq_kernel, one block per query block, recomputes P_ij, dP_ij
+//      and sums dQ_i in a fixed order;
+//   4. otherwise flash_bwd_convert_dq_kernel: the workspace rounded to the input dtype.
+// The N x N matrices P and dS exist only tile by tile, in registers and shared memory.
+#include "flash_bwd.cuh"
+
+namespace cupyflash {
+
+// Grid: (ceil(seqlen_q / kRowsPerBlock), heads, batch); one warp per query row.
+template <typename Element, int kRowsPerBlock>
+__global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kernel(const BwdParams params) {
+    using Numeric = NumericTraits<Element>;
+    using Accum = typename Numeric::Accum;
+    using Storage = typename Numeric::Storage;
+    const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
+    if (row >= params.seqlen_q) return;
+
+    const Storage* o = static_cast<const Storage*>(params.o) + batch_idx * params.o_batch_stride +
+                       row * params.o_row_stride + head_idx * params.o_head_stride;
+    const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+                          row * params.dout_row_stride + head_idx * params.dout_head_stride;
+    Accum dot = Accum(0);
+    for (int c = lane; c < params.head_dim; c += 32)
+        dot = fma(Numeric::to_accum(dout[c]), Numeric::to_accum(o[c]), dot);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) dot += shfl_xor(dot, offset);
+
+    if (lane == 0) {
+        const long long idx = row_vector_offset(params, batch_idx, head_idx) + row;
+        static_cast<Accum*>(params.d)[idx] = dot;
+        const Accum lse = static_cast<const Accum*>(params.lse)[batch_idx * params.lse_batch_stride +
+                                                                 head_idx * params.lse_head_stride +
+                                                                 row * params.lse_row_stride];
+        // A row that saw no key has lse = -inf and P_ij = 0; +inf makes exp2(s - lse) exactly 0
+        // where -inf would give exp2(-inf + inf) = NaN on masked scores.
+        static_cast<Accum*>(params.lse_log2)[idx] = lse == neg_inf<Accum>() ? pos_inf<Accum>() : lse * Accum(kLog2e);
+    }
+}
+
+// Grid: (ceil(seqlen_k / kBlockN), heads, batch). Block: Bt::kNThreads. Shared memory: Bt::kSmemBytes.
+template <typename Bt, bool kIsCausal>
+__global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_dkdv_kernel(const BwdParams params) {
+    using G = typename Bt::KeyGrid;     // keys x queries, keys x head dim
+    using QG = typename Bt::QueryGrid;  // queries x head dim
+    using Accum = typename Bt::Accum;
+    using Storage = typename Bt::Storage;
+    extern __shared__ __align__(16) unsigned char smem[];
+    Accum* sK = reinterpret_cast<Accum*>(smem) + Bt::kSmemKOffset;
+    Accum* sV = reinterpret_cast<Accum*>(smem) + Bt::kSmemVOffset;
+    Accum* sQ = reinterpret_cast<Accum*>(smem) + Bt::kSmemQOffset;
+    Accum* sdO = reinterpret_cast<Accum*>(smem) + Bt::kSmemdOOffset;
+    Accum* sPt = reinterpret_cast<Accum*>(smem) + Bt::kSmemPtOffset;
+    Accum* sdSt = reinterpret_cast<Accum*>(smem) + Bt::kSmemdStOffset;
+    Accum* sdS = reinterpret_cast<Accum*>(smem) + Bt::kSmemdSOffset;
+    Accum* sLse2 = reinterpret_cast<Accum*>(smem) + Bt::kSmemLseOffset;
+    Accum* sD = reinterpret_cast<Accum*>(smem) + Bt::kSmemDOffset;
+
+    const int n_block = blockIdx.x;
+    const int head_idx = blockIdx.y;
+    const int batch_idx = blockIdx.z;
+    const int ty = threadIdx.x / G::kColGroups;
+    const int tx = threadIdx.x % G::kColGroups;
+    const int col0 = n_block * Bt::kBlockN;
+    const int keys_valid = min(Bt::kBlockN, params.seqlen_k - col0);
+    const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
+
+    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+                       head_idx * params.q_head_stride;
+    const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+                          head_idx * params.dout_head_stride;
+    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+                       head_idx * params.k_head_stride + col0 * params.k_row_stride;
+    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+                       head_idx * params.v_head_stride + col0 * params.v_row_stride;
+    const long long vec_offset = row_vector_offset(params, batch_idx, head_idx);
+    const Accum* lse_log2 = static_cast<const Accum*>(params.lse_log2) + vec_offset;
+    const Accum* d = static_cast<const Accum*>(params.d) + vec_offset;
+
+    // K_j and V_j stay on chip for the whole loop (Algorithm 2, line 6).
+    load_tile<G, Bt::kBlockN>(sK, k, params.k_row_stride, keys_valid, params.head_dim, Accum(1));
+    load_tile<G, Bt::kBlockN>(sV, v, params.v_row_stride, keys_valid, params.head_dim, Accum(1));
+
+    Accum dK[G::kRowsPerThread][G::kOColsPerThread];
+    Accum dV[G::kRowsPerThread][G::kOColsPerThread];
+    zero_tile<G>(dK);
+    zero_tile<G>(dV);
+
+    // With causal, query i sees key col0 only if col0 <= i + seqlen_k - seqlen_q: earlier query
+    // blocks see nothing of this key block and are skipped.
+    int m_block_min = 0;
+    if (kIsCausal) m_block_min = max(col0 - (params.seqlen_k - params.seqlen_q), 0) / Bt::kBlockM;
+    const int m_block_max = ceil_div(params.seqlen_q, Bt::kBlockM);
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+        const int row0 = m_block * Bt::kBlockM;
+        const int rows_valid = min(Bt::kBlockM, params.seqlen_q - row0);
+        __syncthreads();  // every thread is done with the previous Q_i, dO_i, P^T, dS^T, dS
+        load_tile<G, Bt::kBlockM>(sQ, q + row0 * params.q_row_stride, params.q_row_stride, rows_valid,
+                                  params.head_dim, Accum(1));
+        load_tile<G, Bt::kBlockM>(sdO, dout + row0 * params.dout_row_stride, params.dout_row_stride,
+                                  rows_valid, params.head_dim, Accum(1));
+        if (threadIdx.x < Bt::kBlockM) {
+            // Padding rows get P = exp2(s - inf) = 0, so they add nothing to dV_j, dK_j or dQ.
+            const bool valid = static_cast<int>(threadIdx.x) < rows_valid;
+            sLse2[threadIdx.x] = valid ? lse_log2[row0 + threadIdx.x] : pos_inf<Accum>();
+            sD[threadIdx.x] = valid ? d[row0 + threadIdx.x] : Accum(0);
+        }
+        __syncthreads();  // Q_i, dO_i, lse_i, D_i (and, first time round, K_j, V_j) are in shared memory
+
+        // P_ij^T = exp(S_ij^T - lse_i), in base 2 (Algorithm 2, lines 9-10).
+        Accum Pt[G::kRowsPerThread][G::kSColsPerThread];
+        compute_scores<G>(Pt, sK, sQ, ty, tx);
+        const bool cut_by_causal = kIsCausal && col0 + Bt::kBlockN - 1 > row0 + params.seqlen_k - params.seqlen_q;
+        if (keys_valid < Bt::kBlockN || cut_by_causal) {
+            apply_mask_transposed<G, kIsCausal>(Pt, col0, row0, params.seqlen_q, params.seqlen_k, ty, tx);
+        }
+#pragma unroll
+        for (int i = 0; i < G::kRowsPerThread; ++i)
+#pragma unroll
+            for (int jm = 0; jm < G::kSColsPerThread; ++jm)
+                Pt[i][jm] = exp2_(fma(Pt[i][jm], scale_log2, -sLse2[tx + jm * G::kColGroups]));
+
+        // dP_ij^T = V_j dO_i^T, then dS_ij^T = P_ij^T ∘ (dP_ij^T - D_i) (lines 12-14).
+        Accum dSt[G::kRowsPerThread][G::kSColsPerThread];
+        compute_scores<G>(dSt, sV, sdO, ty, tx);
+#pragma unroll
+        for (int i = 0; i < G::kRowsPerThread; ++i)
+#pragma unroll
+            for (int jm = 0; jm < G::kSColsPerThread; ++jm)
+                dSt[i][jm] = Pt[i][jm] * (dSt[i][jm] - sD[tx + jm * G::kColGroups]);
+
+        store_P<G>(sPt, Pt, ty, tx);
+        store_P<G>(sdSt, dSt, ty, tx);
+        // dQ's grid reads dS by query rows: store it transposed back as well.
+#pragma unroll
+        for (int i = 0; i < G::kRowsPerThread; ++i)
+#pragma unroll
+            for (int jm = 0; jm < G::kSColsPerThread; ++jm)
+                sdS[(tx + jm * G::kColGroups) * Bt::kDSStride + ty * G::kRowsPerThread + i] = dSt[i][jm];
+        // Each thread reads back only its own key rows of P^T and dS^T, written by its warp.
+        __syncwarp();
+        accumulate_pv<G>(dV, sPt, sdO, ty, tx);   // dV_j += P_ij^T dO_i  (line 11)
+        accumulate_pv<G>(dK, sdSt, sQ, ty, tx);   // dK_j += dS_ij^T Q_i  (line 16; scale at the end)
+
+        if (params.dq_accum != nullptr) {  // uniform across the block
+            __syncthreads();  // all of dS_ij is in shared memory
+            const int qy = threadIdx.x / QG::kColGroups, qx = threadIdx.x % QG::kColGroups;
+            Accum dQ[QG::kRowsPerThread][QG::kOColsPerThread];
+            zero_tile<QG>(dQ);
+            accumulate_pv<QG>(dQ, sdS, sK, qy, qx);  // dQ_i += dS_ij K_j  (line 15)
+            atomic_add_dq<QG>(params, dQ, batch_idx, head_idx, row0, qy, qx);
+        }
+    }
+
+    // dK_j = scale · sum_i dS_ij^T Q_i; dV_j as summed. Written once (lines 18-19).
+    Storage* dk = static_cast<Storage*>(params.dk) + batch_idx * params.dk_batch_stride +
+                  head_idx * params.dk_head_stride + col0 * params.dk_row_stride;
+    Storage* dv = static_cast<Storage*>(params.dv) + batch_idx * params.dv_batch_stride +
+                  head_idx * params.dv_head_stride + col0 * params.dv_row_stride;
+    store_tile<G>(dk, params.dk_row_stride, keys_valid, params.head_dim, dK, static_cast<Accum>(params.scale), ty, tx);
+    store_tile<G>(dv, params.dv_row_stride, keys_valid, params.head_dim, dV, Accum(1), ty, tx);
+}
+
+// Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Dt::kNThreads. Shared memory: Dt::kSmemBytes.
+// The forward's loop with dQ_i = scale · sum_j dS_ij K_j in place of O_i = sum_j P_ij V_j: each dQ_i
+// is summed by one thread block in a fixed order, so the result is the same bits every run.
+template <typename Dt, bool kIsCausal>
+__global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_kernel(const BwdParams params) {
+    using Accum = typename Dt::Accum;
+    using Storage = typename Dt::Storage;
+    extern __shared__ __align__(16) unsigned char smem[];
+    Accum* sQ = reinterpret_cast<Accum*>(smem) + Dt::kSmemQOffset;
+    Accum* sdO = reinterpret_cast<Accum*>(smem) + Dt::kSmemdOOffset;
+    Accum* sK = reinterpret_cast<Accum*>(smem) + Dt::kSmemKOffset;
+    Accum* sV = reinterpret_cast<Accum*>(smem) + Dt::kSmemVOffset;
+    Accum* sdS = reinterpret_cast<Accum*>(smem) + Dt::kSmemdSOffset;
+
+    const int m_block = blockIdx.x;
+    const int head_idx = blockIdx.y;
+    const int batch_idx = blockIdx.z;
+    const int ty = threadIdx.x / Dt::kColGroups;
+    const int tx = threadIdx.x % Dt::kColGroups;
+    const int row0 = m_block * Dt::kBlockM;
+    const int rows_valid = min(Dt::kBlockM, params.seqlen_q - row0);
+    const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
+
+    int n_block_max = ceil_div(params.seqlen_k, Dt::kBlockN);  // the forward's causal block skipping
+    if (kIsCausal) {
+        const int last_key = row0 + rows_valid - 1 + params.seqlen_k - params.seqlen_q;
+        n_block_max = min(n_block_max, last_key < 0 ? 0 : last_key / Dt::kBlockN + 1);
+    }
+
+    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+                       head_idx * params.q_head_stride + row0 * params.q_row_stride;
+    const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+                          head_idx * params.dout_head_stride + row0 * params.dout_row_stride;
+    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+                       head_idx * params.k_head_stride;
+    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+                       head_idx * params.v_head_stride;
+    load_tile<Dt, Dt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim, Accum(1));
+    load_tile<Dt, Dt::kBlockM>(sdO, dout, params.dout_row_stride, rows_valid, params.head_dim, Accum(1));
+
+    // This thread's rows' lse_i (log2 units) and D_i, in registers for the whole loop.
+    const long long vec_offset = row_vector_offset(params, batch_idx, head_idx);
+    Accum lse2[Dt::kRowsPerThread], D[Dt::kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < Dt::kRowsPerThread; ++i) {
+        const int row = ty * Dt::kRowsPerThread + i;
+        const bool valid = row < rows_valid;
+        lse2[i] = valid ? static_cast<const Accum*>(params.lse_log2)[vec_offset + row0 + row] : pos_inf<Accum>();
+        D[i] = valid ? static_cast<const Accum*>(params.d)[vec_offset + row0 + row] : Accum(0);
+    }
+
+    Accum dQ[Dt::kRowsPerThread][Dt::kOColsPerThread];
+    zero_tile<Dt>(dQ);
+    const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
+    for (int n_block = 0; n_block < n_block_max; ++n_block) {
+        const int col0 = n_block * Dt::kBlockN;
+        const int keys_valid = min(Dt::kBlockN, params.seqlen_k - col0);
+        __syncthreads();  // every thread is done reading the previous K_j, V_j and dS_ij
+        load_tile<Dt, Dt::kBlockN>(sK, k + col0 * params.k_row_stride, params.k_row_stride, keys_valid,
+                                   params.head_dim, Accum(1));
+        load_tile<Dt, Dt::kBlockN>(sV, v + col0 * params.v_row_stride, params.v_row_stride, keys_valid,
+                                   params.head_dim, Accum(1));
+        __syncthreads();  // K_j, V_j (and, first time round, Q_i, dO_i) are in shared memory
+
+        Accum P[Dt::kRowsPerThread][Dt::kSColsPerThread];
+        compute_scores<Dt>(P, sQ, sK, ty, tx);
+        const bool cut_by_causal = kIsCausal && col0 + Dt::kBlockN - 1 > first_row_last_key;
+        if (keys_valid < Dt::kBlockN || cut_by_causal) {
+            apply_mask<Dt, kIsCausal>(P, row0, col0, params.seqlen_q, params.seqlen_k, ty, tx);
+        }
+        Accum dS[Dt::kRowsPerThread][Dt::kSColsPerThread];
+        compute_scores<Dt>(dS, sdO, sV, ty, tx);  // dP_ij = dO_i V_j^T
+#pragma unroll
+        for (int i = 0; i < Dt::kRowsPerThread; ++i)
+#pragma unroll
+            for (int jn = 0; jn < Dt::kSColsPerThread; ++jn) {
+                P[i][jn] = exp2_(fma(P[i][jn], scale_log2, -lse2[i]));
+                dS[i][jn] = P[i][jn] * (dS[i][jn] - D[i]);
+            }
+        store_P<Dt>(sdS, dS, ty, tx);
+        __syncwarp();  // each thread reads back whole rows of dS_ij, written by its row group: one warp
+        accumulate_pv<Dt>(dQ, sdS, sK, ty, tx);
+    }
+
+    Storage* dq = static_cast<Storage*>(params.dq) + batch_idx * params.dq_batch_stride +
+                  head_idx * params.dq_head_stride + row0 * params.dq_row_stride;
+    store_tile<Dt>(dq, params.dq_row_stride, rows_valid, params.head_dim, dQ, static_cast<Accum>(params.scale), ty, tx);
+}
+
+// Grid: (ceil(seqlen_q / kRowsPerBlock), heads, batch); one warp per query row.
+// dq = the atomically summed workspace, rounded once to the input dtype.
+template <typename Element, int kRowsPerBlock>
+__global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_convert_dq_kernel(const BwdParams params) {
+    using Numeric = NumericTraits<Element>;
+    using Accum = typename Numeric::Accum;
+    using Storage = typename Numeric::Storage;
+    const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
+    if (row >= params.seqlen_q) return;
+    const Accum* dq_accum = static_cast<const Accum*>(params.dq_accum) +
+                            ((static_cast<long long>(batch_idx) * params.seqlen_q + row) * params.heads + head_idx) *
+                                params.head_dim;
+    Storage* dq = static_cast<Storage*>(params.dq) + batch_idx * params.dq_batch_stride +
+                  row * params.dq_row_stride + head_idx * params.dq_head_stride;
+    for (int c = lane; c < params.head_dim; c += 32) dq[c] = Numeric::from_accum(dq_accum[c]);
+}
+
+}  // namespace cupyflash

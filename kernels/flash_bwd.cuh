@@ -1,0 +1,127 @@
+// The steps of FlashAttention-2's backward pass (Dao, 2023, Algorithm 2) that the forward does not
+// already have. With S_ij = scale · Q_i K_j^T and the saved lse_i:
+//   P_ij = exp(S_ij - lse_i)               (recomputed, never stored)
+//   dV_j += P_ij^T dO_i,   dP_ij = dO_i V_j^T,   dS_ij = P_ij ∘ (dP_ij - D_i)
+//   dK_j += scale · dS_ij^T Q_i,   dQ_i += scale · dS_ij K_j
+// where D_i = rowsum(dO_i ∘ O_i) comes from a preprocessing pass. The matrix products reuse the
+// forward's compute_scores (A B^T) and accumulate_pv (A B) on shared-memory tiles.
+#pragma once
+#include "flash_bwd_traits.cuh"
+#include "flash_fwd.cuh"
+
+namespace cupyflash {
+
+// Kernel arguments of every backward kernel; mirrored on the host by BWD_PARAMS_DTYPE.
+struct BwdParams {
+    const void* q;     // [batch, seqlen_q, heads, head_dim], any strides, head_dim contiguous
+    const void* k;     // [batch, seqlen_k, heads, head_dim], likewise
+    const void* v;     // [batch, seqlen_k, heads, head_dim], likewise
+    const void* o;     // [batch, seqlen_q, heads, head_dim], the forward's output
+    const void* dout;  // [batch, seqlen_q, heads, head_dim], dL/dO
+    const void* lse;   // [batch, heads, seqlen_q], Accum, any strides: the forward's lse (natural log)
+    void* dq;          // [batch, seqlen_q, heads, head_dim]
+    void* dk;          // [batch, seqlen_k, heads, head_dim]
+    void* dv;          // [batch, seqlen_k, heads, head_dim]
+    // [batch, seqlen_q, heads, head_dim], contiguous Accum, zeroed: dQ summed by atomics across key
+    // blocks (already multiplied by scale). nullptr in deterministic mode.
+    void* dq_accum;
+    void* lse_log2;    // [batch, heads, seqlen_q], contiguous Accum: lse_i·log2(e); +inf for rows with no key
+    void* d;           // [batch, heads, seqlen_q], contiguous Accum: D_i = rowsum(dO_i ∘ O_i)
+    // Strides in elements.
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long dout_batch_stride, dout_row_stride, dout_head_stride;
+    long long dq_batch_stride, dq_row_stride, dq_head_stride;
+    long long dk_batch_stride, dk_row_stride, dk_head_stride;
+    long long dv_batch_stride, dv_row_stride, dv_head_stride;
+    long long lse_batch_stride, lse_head_stride, lse_row_stride;
+    int heads;
+    int seqlen_q;
+    int seqlen_k;
+    int head_dim;
+    double scale;       // softmax scale
+    double scale_log2;  // scale · log2(e)
+};
+
+// Offset of row `row` of (batch, head) in a [batch, heads, seqlen_q] contiguous vector.
+__device__ __forceinline__ long long row_vector_offset(const BwdParams& params, int batch_idx, int head_idx) {
+    return (static_cast<long long>(batch_idx) * params.heads + head_idx) * params.seqlen_q;
+}
+
+// Transposed mask for a tile of S^T (rows: keys from key0, columns: queries from query0): -inf
+// for keys past seqlen_k and, with causal, keys j > i + (seqlen_k - seqlen_q).
+template <typename Grid, bool kIsCausal>
+__device__ __forceinline__ void apply_mask_transposed(
+    typename Grid::Accum (&St)[Grid::kRowsPerThread][Grid::kSColsPerThread], int key0, int query0,
+    int seqlen_q, int seqlen_k, int ty, int tx) {
+    using Accum = typename Grid::Accum;
+#pragma unroll
+    for (int i = 0; i < Grid::kRowsPerThread; ++i) {
+        const int key = key0 + ty * Grid::kRowsPerThread + i;
+#pragma unroll
+        for (int jm = 0; jm < Grid::kSColsPerThread; ++jm) {
+            const int query = query0 + tx + jm * Grid::kColGroups;
+            if (key >= seqlen_k || (kIsCausal && key > query + seqlen_k - seqlen_q)) St[i][jm] = neg_inf<Accum>();
+        }
+    }
+}
+
+// Writes a register tile laid out like the forward's O_i (this thread's rows, columns in kOChunks
+// chunks of kVecO) times `scale` to global memory; rows >= rows_valid and columns >= head_dim are
+// padding and are skipped.
+template <typename Grid>
+__device__ __forceinline__ void store_tile(
+    typename Grid::Storage* g_tile, long long row_stride, int rows_valid, int head_dim,
+    const typename Grid::Accum (&X)[Grid::kRowsPerThread][Grid::kOColsPerThread],
+    typename Grid::Accum scale, int ty, int tx) {
+#pragma unroll
+    for (int i = 0; i < Grid::kRowsPerThread; ++i) {
+        const int row = ty * Grid::kRowsPerThread + i;
+        if (row >= rows_valid) continue;
+#pragma unroll
+        for (int jc = 0; jc < Grid::kOChunks; ++jc)
+#pragma unroll
+            for (int e = 0; e < Grid::kVecO; ++e) {
+                const int col = (jc * Grid::kColGroups + tx) * Grid::kVecO + e;
+                if (col < head_dim)
+                    g_tile[row * row_stride + col] = Grid::Numeric::from_accum(X[i][jc * Grid::kVecO + e] * scale);
+            }
+    }
+}
+
+template <typename Grid>
+__device__ __forceinline__ void zero_tile(typename Grid::Accum (&X)[Grid::kRowsPerThread][Grid::kOColsPerThread]) {
+#pragma unroll
+    for (int i = 0; i < Grid::kRowsPerThread; ++i)
+#pragma unroll
+        for (int c = 0; c < Grid::kOColsPerThread; ++c) X[i][c] = typename Grid::Accum(0);
+}
+
+// dQ_i += scale · dS_ij K_j into the float32 (float64) workspace. Atomics, because every key block
+// adds to the same dQ_i; their order, and so the last bits of dQ, vary from run to run.
+template <typename Grid>
+__device__ __forceinline__ void atomic_add_dq(
+    const BwdParams& params, const typename Grid::Accum (&dQ)[Grid::kRowsPerThread][Grid::kOColsPerThread],
+    int batch_idx, int head_idx, int row0, int ty, int tx) {
+    using Accum = typename Grid::Accum;
+    Accum* dq_accum = static_cast<Accum*>(params.dq_accum);
+    const Accum scale = static_cast<Accum>(params.scale);
+#pragma unroll
+    for (int i = 0; i < Grid::kRowsPerThread; ++i) {
+        const int row = row0 + ty * Grid::kRowsPerThread + i;
+        if (row >= params.seqlen_q) continue;
+        Accum* dq_row = dq_accum + ((static_cast<long long>(batch_idx) * params.seqlen_q + row) * params.heads +
+                                    head_idx) * params.head_dim;
+#pragma unroll
+        for (int jc = 0; jc < Grid::kOChunks; ++jc)
+#pragma unroll
+            for (int e = 0; e < Grid::kVecO; ++e) {
+                const int col = (jc * Grid::kColGroups + tx) * Grid::kVecO + e;
+                if (col < params.head_dim) atomicAdd(dq_row + col, dQ[i][jc * Grid::kVecO + e] * scale);
+            }
+    }
+}
+
+}  // namespace cupyflash

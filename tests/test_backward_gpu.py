@@ -1,0 +1,346 @@
+"""The backward kernels against the float64 reference gradients, and the torch / JAX adapters,
+on the GPU (marker `gpu`)."""
+
+import numpy
+import pytest
+
+import cupyflash
+from cupyflash import _attention, reference
+from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, numpy_dtype, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Outputs (out, lse, dq, dk, dv) start as NaN, so an element never written fails."""
+    import cupy
+
+    def nan_empty(shape, dtype):
+        return cupy.full(shape, numpy.nan, dtype=numpy.float32).astype(dtype)
+
+    monkeypatch.setattr(_attention, "_empty", nan_empty)
+
+
+def assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, scale=None):
+    """Tolerance rule for each of dq, dk, dv: max error against the float64 gradient <= 2 x that
+    of standard attention's backward done in the input precision + a noise floor."""
+    dout, q, k, v = (reference._as_float64(x) for x in (dout, q, k, v))  # the values the kernels saw
+    exact = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale)
+    dt = numpy_dtype(dtype)
+    lowp = reference.attention_backward_in_precision(*(x.astype(dt) for x in (dout, q, k, v)), dt, causal=causal, scale=scale)
+    for name, got, ref, base, x in zip(("dq", "dk", "dv"), grads, exact, lowp, (q, k, v)):
+        got = reference._as_float64(got)
+        assert got.shape == x.shape
+        assert not numpy.isnan(got).any(), f"NaN in {name}: an element was not written"
+        err = numpy.abs(got - ref).max(initial=0.0)
+        bound = reference.error_bound(ref, base, dtype)
+        assert err <= bound, f"{name}: max |error| {err:.3e} > bound {bound:.3e} ({dtype})"
+
+
+def run_forward_backward(rng, dtype, shape, causal, deterministic, scale=None):
+    import cupy
+
+    batch, seqlen_q, seqlen_k, heads, head_dim = shape
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, batch, seqlen_q, seqlen_k, heads, head_dim))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, lse = cupyflash.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, deterministic=deterministic)
+    for g, x in zip(grads, (q, k, v)):
+        assert isinstance(g, cupy.ndarray) and g.dtype == x.dtype and g.shape == x.shape
+    return (dout, q, k, v), grads
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim", AWKWARD_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_awkward_shapes(rng, nan_outputs, dtype, seqlen_q, seqlen_k, head_dim, causal, deterministic):
+    inputs, grads = run_forward_backward(rng, dtype, (2, seqlen_q, seqlen_k, 3, head_dim), causal, deterministic)
+    assert_gradients_match_reference(*inputs, grads, dtype, causal)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_head_dim_class(rng, nan_outputs, dtype, head_dim, deterministic):
+    inputs, grads = run_forward_backward(rng, dtype, (1, 130, 97, 2, head_dim), True, deterministic, scale=0.3)
+    assert_gradients_match_reference(*inputs, grads, dtype, True, scale=0.3)
+
+
+def _bits(x):
+    return x.view({2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}[x.dtype.itemsize])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_deterministic_mode_is_bitwise_reproducible(rng, dtype):
+    import cupy
+
+    # Many key blocks per query block, so the atomic path's summation order really varies.
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 700, 1500, 4, 64))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    first = cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+    for _ in range(3):
+        again = cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+        for a, b in zip(first, again):
+            assert bool((_bits(a) == _bits(b)).all())
+    # The atomic path computes the same gradients up to summation order.
+    fast = cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=False)
+    assert_gradients_match_reference(dout, q, k, v, fast, dtype, False)
+    for a, b in zip(first[1:], fast[1:]):  # dk and dv never use atomics: identical in both modes
+        assert bool((_bits(a) == _bits(b)).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_views(rng, nan_outputs, dtype):
+    import cupy
+
+    b, s, h, d = 2, 150, 4, 72
+    dt = numpy_dtype(dtype)
+    q = cupy.asarray(rng.standard_normal((b, h, s, d)).astype(dt)).transpose(0, 2, 1, 3)
+    kv = cupy.asarray(rng.standard_normal((b, 190, 2, h, d + 8)).astype(dt))
+    k, v = kv[:, :, 0, :, :d], kv[:, :, 1, :, 8:]
+    dout = cupy.asarray(rng.standard_normal((b, h, s, d)).astype(dt)).transpose(0, 2, 1, 3)
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    # out and lse as other layouts: out in a wider buffer, lse transposed (batch, seq, heads) storage.
+    out_wide = cupy.zeros((b, s, h, d + 4), dtype=dt)
+    out_wide[..., 2 : d + 2] = out
+    lse_t = cupy.ascontiguousarray(lse.transpose(0, 2, 1)).transpose(0, 2, 1)
+    args = (dout, q, k, v, out_wide[..., 2 : d + 2], lse_t)
+    assert not any(x.flags.c_contiguous for x in args)
+    before = [x.copy() for x in args]
+    grads = cupyflash.attention_backward(*args, causal=True)
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, True)
+    for x, x0 in zip(args, before):  # inputs untouched, bit for bit
+        assert bool((_bits(x) == _bits(x0)).all())
+
+
+def test_numpy_in_numpy_out(rng):
+    q, k, v = random_qkv(rng, "float32", 2, 65, 33, 2, 24)
+    dout = rng.standard_normal(q.shape).astype(numpy.float32)
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse)
+    assert all(isinstance(g, numpy.ndarray) for g in grads)
+    assert_gradients_match_reference(dout, q, k, v, grads, "float32", False)
+
+
+def test_runs_on_the_current_stream(rng):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float16", 1, 300, 300, 2, 64))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(numpy.float16))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out, lse = cupyflash.attention(q, k, v, return_lse=True)
+        grads = cupyflash.attention_backward(dout, q, k, v, out, lse)
+        stream.synchronize()
+    assert_gradients_match_reference(dout, q, k, v, grads, "float16", False)
+
+
+def test_bwd_params_struct_layout_matches_host():
+    import cupy
+
+    from cupyflash import _compile, _instantiations
+
+    dtype = _instantiations.BWD_PARAMS_DTYPE
+    code = _compile.kernel_source("flash_bwd.cu") + _instantiations.params_layout_probe("cupyflash::BwdParams", dtype)
+    probe = cupy.RawModule(code=code, options=_compile.COMPILE_OPTIONS).get_function("params_layout_probe")
+    offsets = cupy.zeros(len(dtype.names), dtype=numpy.int64)
+    probe((1,), (1,), (offsets,))
+    assert offsets.get().tolist() == [dtype.fields[name][1] for name in dtype.names]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_standard_attention_backward_baseline_is_correct(rng, dtype):
+    import cupy
+
+    from cupyflash.standard import standard_attention_forward_backward
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 97, 131, 3, 48))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, grads = standard_attention_forward_backward(q, k, v, dout, causal=True)
+    assert out.dtype == q.dtype and all(g.dtype == q.dtype and g.shape == x.shape for g, x in zip(grads, (q, k, v)))
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, True)
+
+
+# --------------------------------------------------------------------------- PyTorch
+
+
+def _torch_standard_attention(q, k, v, causal, scale=None):
+    """Standard attention in torch ops, (batch, seq, heads, dim) layout, differentiable."""
+    import torch
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+        s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s.float() if s.dtype in (torch.float16, torch.bfloat16) else s, dim=-1).to(q.dtype)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_torch_adapter_gradients(rng, dtype, causal, deterministic):
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch
+
+    tdtype = getattr(torch, dtype)
+    shape_q, shape_k = (2, 173, 3, 72), (2, 211, 3, 72)
+    inputs = [torch.randn(s, device="cuda", dtype=torch.float64).to(tdtype) for s in (shape_q, shape_k, shape_k)]
+    dout = torch.randn(shape_q, device="cuda", dtype=torch.float64).to(tdtype)
+
+    def grads_of(fn, dt):
+        xs = [x.to(dt).requires_grad_() for x in inputs]
+        fn(*xs).backward(dout.to(dt))
+        return [x.grad.double() for x in xs]
+
+    ours = grads_of(lambda q, k, v: cupyflash.torch.attention(q, k, v, causal=causal, deterministic=deterministic), tdtype)
+    exact = grads_of(lambda q, k, v: _torch_standard_attention(q, k, v, causal), torch.float64)  # autograd, float64
+    lowp = grads_of(lambda q, k, v: _torch_standard_attention(q, k, v, causal), tdtype)  # autograd, same dtype
+    for name, g, e, b in zip(("dq", "dk", "dv"), ours, exact, lowp):
+        err = (g - e).abs().max().item()
+        bound = reference.error_bound(e.cpu().numpy(), b.cpu().numpy(), dtype)
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
+
+
+def test_torch_adapter_out_sum_backward_and_zero_copy(rng, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch
+
+    seen = {}
+    real = _attention.launch_backward
+
+    def spy(dout, q, k, v, out, lse, dq, dk, dv, p):
+        seen.update(q=q.data.ptr, dq=dq.data.ptr)
+        return real(dout, q, k, v, out, lse, dq, dk, dv, p)
+
+    monkeypatch.setattr(_attention, "launch_backward", spy)
+    q, k, v = (torch.randn(1, 64, 2, 32, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    out = cupyflash.torch.attention(q, k, v, causal=True)
+    # out.sum()'s gradient reaches the backward as an expanded tensor with stride 0.
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert seen["q"] == q.data_ptr() and seen["dq"] == grads[0].data_ptr()  # no copies either way
+    ref = torch.autograd.grad(_torch_standard_attention(q, k, v, True).float().sum(), (q, k, v))
+    for g, r in zip(grads, ref):
+        assert (g.float() - r.float()).abs().max().item() < 2e-2
+
+
+def test_torch_adapter_on_a_side_stream(rng):
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch
+
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", requires_grad=True) for _ in range(3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = cupyflash.torch.attention(q, k, v)
+        out.backward(torch.ones_like(out))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    ref = [torch.autograd.grad(_torch_standard_attention(q, k, v, False).sum(), x)[0] for x in (q, k, v)]
+    for g, r in zip((q.grad, k.grad, v.grad), ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+class _TinyModel:
+    """Two pre-norm attention layers with output projections, then a linear readout."""
+
+    def __init__(self, torch, attention, dim=64, heads=4, seed=0):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.torch, self.attention, self.heads = torch, attention, heads
+        self.params = [
+            (torch.randn(dim, 3 * dim, device="cuda", generator=gen) / dim**0.5).requires_grad_(),
+            (torch.randn(dim, dim, device="cuda", generator=gen) / dim**0.5).requires_grad_(),
+            (torch.randn(dim, 3 * dim, device="cuda", generator=gen) / dim**0.5).requires_grad_(),
+            (torch.randn(dim, dim, device="cuda", generator=gen) / dim**0.5).requires_grad_(),
+            (torch.randn(dim, 1, device="cuda", generator=gen) / dim**0.5).requires_grad_(),
+        ]
+
+    def __call__(self, x):
+        torch = self.torch
+        b, s, dim = x.shape
+        for w_qkv, w_o in (self.params[0:2], self.params[2:4]):
+            h = torch.nn.functional.layer_norm(x, (dim,))
+            q, k, v = (h @ w_qkv).reshape(b, s, 3, self.heads, dim // self.heads).unbind(2)
+            x = x + self.attention(q, k, v).reshape(b, s, dim) @ w_o
+        return (x @ self.params[4]).squeeze(-1)
+
+
+def test_tiny_model_trains_the_same_through_the_torch_adapter(rng):
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(8, 100, 64, device="cuda", generator=gen)
+    y = torch.randn(8, 100, device="cuda", generator=gen)
+    curves = {}
+    for name, attention in {
+        "cupyflash": lambda q, k, v: cupyflash.torch.attention(q, k, v, causal=True),
+        "standard": lambda q, k, v: _torch_standard_attention(q, k, v, True),
+    }.items():
+        model = _TinyModel(torch, attention)
+        opt = torch.optim.Adam(model.params, lr=3e-3)
+        losses = []
+        for _ in range(50):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves[name] = numpy.array(losses)
+    assert curves["standard"][-1] < 0.8 * curves["standard"][0], "the model did not learn"
+    numpy.testing.assert_allclose(curves["cupyflash"], curves["standard"], rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- JAX
+
+
+def _jax_gpu():
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU backend here")
+    return jax
+
+
+def _jnp_attention(q, k, v, causal):
+    import jax
+
+    jnp = jax.numpy
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        s = jnp.where(jnp.arange(sk)[None, :] > jnp.arange(sq)[:, None] + sk - sq, -jnp.inf, s)
+    p = jax.nn.softmax(s.astype(jnp.float32) if s.dtype.itemsize == 2 else s, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(q.dtype), v)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_jax_adapter_gradients(rng, dtype, jit):
+    jax = _jax_gpu()
+    jnp = jax.numpy
+    import cupyflash.jax
+
+    q, k, v = (jnp.asarray(rng.standard_normal(s), dtype=dtype) for s in ((2, 90, 3, 40), (2, 120, 3, 40), (2, 120, 3, 40)))
+    dout = jnp.asarray(rng.standard_normal(q.shape), dtype=dtype)
+
+    def vjp(fn):
+        out, pullback = jax.vjp(fn, q, k, v)
+        return out, pullback(dout)
+
+    ours = lambda q, k, v: cupyflash.jax.attention(q, k, v, causal=True)
+    out, grads = vjp(jax.jit(ours) if jit else ours)
+    assert isinstance(out, jax.Array) and out.dtype == q.dtype and all(g.dtype == q.dtype for g in grads)
+    as64 = [numpy.asarray(x.astype(jnp.float32)).astype(numpy.float64) for x in (dout, q, k, v)]
+    exact = reference.attention_backward(*as64, causal=True)
+    # jax.grad of the jnp reference in the same dtype is the same-precision baseline.
+    _, jax_grads = vjp(lambda q, k, v: _jnp_attention(q, k, v, True))
+    for name, g, j, e in zip(("dq", "dk", "dv"), grads, jax_grads, exact):
+        g, j = (numpy.asarray(x.astype(jnp.float32)).astype(numpy.float64) for x in (g, j))
+        err = numpy.abs(g - e).max()
+        bound = reference.error_bound(e, j, dtype)
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
