@@ -151,12 +151,15 @@ def _materialised_backward(dout, q, k, v, p, compute, rounding):
     def rounded(x):
         return x if rounding is None else x.astype(rounding).astype(compute)
 
-    _, _, probs = _materialised_forward(q, k, v, p, compute, rounding)
+    out, _, probs = _materialised_forward(q, k, v, p, compute, rounding)
     qh, kh, vh, doh = (x.astype(compute).transpose(0, 2, 1, 3) for x in (q, k, v, dout))
     scale = compute(p.scale)
     dv = rounded(probs.transpose(0, 1, 3, 2) @ doh)
     dp = rounded(doh @ vh.transpose(0, 1, 3, 2))
-    d = (dp * probs).sum(axis=-1, keepdims=True)  # = rowsum(dO * O): softmax's Jacobian-vector product
+    # Softmax's Jacobian-vector product needs rowsum(dP * P); FlashAttention uses the equal
+    # rowsum(dO * O) (O as stored), and so does this baseline: the two round differently, and
+    # with one visible key dP - D cancels exactly in the first form only.
+    d = (doh * out).sum(axis=-1, keepdims=True)
     ds = rounded(probs * (dp - d))
     dq = rounded(ds @ kh) * scale
     dk = rounded(ds.transpose(0, 1, 3, 2) @ qh) * scale

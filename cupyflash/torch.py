@@ -58,7 +58,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = (x.detach() for x in ctx.saved_tensors)  # out requires grad
         dout = dout.detach()
         if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
             dout = dout.contiguous()

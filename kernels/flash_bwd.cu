@@ -25,21 +25,24 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kerne
                        row * params.o_row_stride + head_idx * params.o_head_stride;
     const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
                           row * params.dout_row_stride + head_idx * params.dout_head_stride;
-    Accum dot = Accum(0);
+    // Summed in double (one row per warp, memory-bound, so it costs nothing measurable): every
+    // dS_ij of the row subtracts D_i, so its error would reach dQ_i coherently.
+    double dot = 0.0;
     for (int c = lane; c < params.head_dim; c += 32)
-        dot = fma(Numeric::to_accum(dout[c]), Numeric::to_accum(o[c]), dot);
+        dot = fma(static_cast<double>(Numeric::to_accum(dout[c])), static_cast<double>(Numeric::to_accum(o[c])), dot);
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) dot += shfl_xor(dot, offset);
 
     if (lane == 0) {
         const long long idx = row_vector_offset(params, batch_idx, head_idx) + row;
-        static_cast<Accum*>(params.d)[idx] = dot;
+        static_cast<Accum*>(params.d)[idx] = static_cast<Accum>(dot);
         const Accum lse = static_cast<const Accum*>(params.lse)[batch_idx * params.lse_batch_stride +
                                                                  head_idx * params.lse_head_stride +
                                                                  row * params.lse_row_stride];
         // A row that saw no key has lse = -inf and P_ij = 0; +inf makes exp2(s - lse) exactly 0
         // where -inf would give exp2(-inf + inf) = NaN on masked scores.
-        static_cast<Accum*>(params.lse_log2)[idx] = lse == neg_inf<Accum>() ? pos_inf<Accum>() : lse * Accum(kLog2e);
+        static_cast<Accum*>(params.lse_log2)[idx] =
+            lse == neg_inf<Accum>() ? pos_inf<Accum>() : static_cast<Accum>(static_cast<double>(lse) * kLog2e);
     }
 }
 

@@ -230,7 +230,11 @@ __device__ __forceinline__ void epilogue(
             }
         if (tx == 0) {
             // m_i is in log2 units (scores were prescaled by log2(e)).
-            const Accum lse = l_row > Accum(0) ? m[i] * Accum(kLn2) + log_(l_row) : neg_inf<Accum>();
+            // In double: the backward rebuilds every P_ij = exp(S_ij - lse_i) of the row from it,
+            // so its rounding error becomes a relative error common to the whole row.
+            const Accum lse = l_row > Accum(0)
+                                  ? static_cast<Accum>(static_cast<double>(m[i]) * kLn2 + log(static_cast<double>(l_row)))
+                                  : neg_inf<Accum>();
             // Kept in Accum precision: the backward pass recomputes P_ij = exp(S_ij - lse_i) from it.
             static_cast<Accum*>(params.lse)[(static_cast<long long>(batch_idx) * params.heads + head_idx) *
                                                 params.seqlen_q + row] = lse;
