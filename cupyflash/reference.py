@@ -252,10 +252,10 @@ def tiled_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         for row0 in range(first_block * block_m, sq, block_m):
             rows = min(block_m, sq - row0)
             q_i, do_i = q[:, row0 : row0 + rows], dout[:, row0 : row0 + rows]
-            s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i, k_j)
+            s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i * scale_log2, k_j)  # Q_i prescaled, as in the forward
             if p.causal and col0 + block_n - 1 > row0 + sk - sq:
                 s_ij[..., _tile_causal_mask(row0, rows, col0, cols, sq, sk)] = -numpy.inf
-            p_ij = numpy.exp2(s_ij * scale_log2 - lse_log2[:, :, row0 : row0 + rows])
+            p_ij = numpy.exp2(s_ij - lse_log2[:, :, row0 : row0 + rows])
             dv_j += numpy.einsum("bhqk,bqhd->bkhd", p_ij, do_i)
             dp_ij = numpy.einsum("bqhd,bkhd->bhqk", do_i, v_j)
             ds_ij = p_ij * (dp_ij - d[:, :, row0 : row0 + rows])

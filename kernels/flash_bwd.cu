@@ -103,8 +103,11 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
         const int row0 = m_block * Bt::kBlockM;
         const int rows_valid = min(Bt::kBlockM, params.seqlen_q - row0);
         __syncthreads();  // every thread is done with the previous Q_i, dO_i, P^T, dS^T, dS
+        // Q_i prescaled by scale·log2(e) as in the forward, so that S_ij comes out bit for bit the
+        // scores the forward's lse_i was summed from (same products, same order over d): P_ij then
+        // sums to 1 over the row up to lse's own rounding.
         load_tile<G, Bt::kBlockM>(sQ, q + row0 * params.q_row_stride, params.q_row_stride, rows_valid,
-                                  params.head_dim, Accum(1));
+                                  params.head_dim, scale_log2);
         load_tile<G, Bt::kBlockM>(sdO, dout + row0 * params.dout_row_stride, params.dout_row_stride,
                                   rows_valid, params.head_dim, Accum(1));
         if (threadIdx.x < Bt::kBlockM) {
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
         for (int i = 0; i < G::kRowsPerThread; ++i)
 #pragma unroll
             for (int jm = 0; jm < G::kSColsPerThread; ++jm)
-                Pt[i][jm] = exp2_(fma(Pt[i][jm], scale_log2, -sLse2[tx + jm * G::kColGroups]));
+                Pt[i][jm] = exp2_(Pt[i][jm] - sLse2[tx + jm * G::kColGroups]);
 
         // dP_ij^T = V_j dO_i^T, then dS_ij^T = P_ij^T ∘ (dP_ij^T - D_i) (lines 12-14).
         Accum dSt[G::kRowsPerThread][G::kSColsPerThread];
@@ -147,8 +150,8 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
                 sdS[(tx + jm * G::kColGroups) * Bt::kDSStride + ty * G::kRowsPerThread + i] = dSt[i][jm];
         // Each thread reads back only its own key rows of P^T and dS^T, written by its warp.
         __syncwarp();
-        accumulate_pv<G>(dV, sPt, sdO, ty, tx);   // dV_j += P_ij^T dO_i  (line 11)
-        accumulate_pv<G>(dK, sdSt, sQ, ty, tx);   // dK_j += dS_ij^T Q_i  (line 16; scale at the end)
+        accumulate_tile_sum<G>(dV, sPt, sdO, ty, tx);   // dV_j += P_ij^T dO_i  (line 11)
+        accumulate_tile_sum<G>(dK, sdSt, sQ, ty, tx);   // dK_j += dS_ij^T Q_i  (line 16; Q_i prescaled, see below)
 
         if (params.dq_accum != nullptr) {  // uniform across the block
             __syncthreads();  // all of dS_ij is in shared memory
@@ -160,12 +163,13 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
         }
     }
 
-    // dK_j = scale · sum_i dS_ij^T Q_i; dV_j as summed. Written once (lines 18-19).
+    // dK_j = scale · sum_i dS_ij^T Q_i = ln(2) · sum_i dS_ij^T (scale·log2(e) Q_i); dV_j as summed.
+    // Written once (lines 18-19).
     Storage* dk = static_cast<Storage*>(params.dk) + batch_idx * params.dk_batch_stride +
                   head_idx * params.dk_head_stride + col0 * params.dk_row_stride;
     Storage* dv = static_cast<Storage*>(params.dv) + batch_idx * params.dv_batch_stride +
                   head_idx * params.dv_head_stride + col0 * params.dv_row_stride;
-    store_tile<G>(dk, params.dk_row_stride, keys_valid, params.head_dim, dK, static_cast<Accum>(params.scale), ty, tx);
+    store_tile<G>(dk, params.dk_row_stride, keys_valid, params.head_dim, dK, static_cast<Accum>(kLn2), ty, tx);
     store_tile<G>(dv, params.dv_row_stride, keys_valid, params.head_dim, dV, Accum(1), ty, tx);
 }
 
@@ -206,7 +210,8 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
                        head_idx * params.k_head_stride;
     const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
                        head_idx * params.v_head_stride;
-    load_tile<Dt, Dt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim, Accum(1));
+    // Prescaled as in the forward: the same scores, bit for bit (see flash_bwd_dkdv_kernel).
+    load_tile<Dt, Dt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim, scale_log2);
     load_tile<Dt, Dt::kBlockM>(sdO, dout, params.dout_row_stride, rows_valid, params.head_dim, Accum(1));
 
     // This thread's rows' lse_i (log2 units) and D_i, in registers for the whole loop.
@@ -245,12 +250,12 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
         for (int i = 0; i < Dt::kRowsPerThread; ++i)
 #pragma unroll
             for (int jn = 0; jn < Dt::kSColsPerThread; ++jn) {
-                P[i][jn] = exp2_(fma(P[i][jn], scale_log2, -lse2[i]));
+                P[i][jn] = exp2_(P[i][jn] - lse2[i]);
                 dS[i][jn] = P[i][jn] * (dS[i][jn] - D[i]);
             }
         store_P<Dt>(sdS, dS, ty, tx);
         __syncwarp();  // each thread reads back whole rows of dS_ij, written by its row group: one warp
-        accumulate_pv<Dt>(dQ, sdS, sK, ty, tx);
+        accumulate_tile_sum<Dt>(dQ, sdS, sK, ty, tx);
     }
 
     Storage* dq = static_cast<Storage*>(params.dq) + batch_idx * params.dq_batch_stride +

@@ -91,6 +91,48 @@ __device__ __forceinline__ void store_tile(
     }
 }
 
+// X += A B for a tile (A: this thread's rows of sA, kBlockN columns; B: kBlockN rows of sB), the
+// forward's accumulate_pv, except that each tile's contribution is summed on its own before it is
+// added (two-level summation). dK_j, dV_j and dQ_i sum over a whole sequence; this way their
+// rounding grows with the number of tiles plus the tile length, not with the sequence length.
+// Costs kRowsPerThread x kVecO registers and one re-read of A per column chunk.
+template <typename Grid>
+__device__ __forceinline__ void accumulate_tile_sum(
+    typename Grid::Accum (&X)[Grid::kRowsPerThread][Grid::kOColsPerThread],
+    const typename Grid::Accum* sA, const typename Grid::Accum* sB, int ty, int tx) {
+    using Accum = typename Grid::Accum;
+    constexpr int kVec = Grid::kVecK;
+    constexpr int kVecO = Grid::kVecO;
+#pragma unroll
+    for (int jc = 0; jc < Grid::kOChunks; ++jc) {
+        Accum part[Grid::kRowsPerThread][kVecO];
+#pragma unroll
+        for (int i = 0; i < Grid::kRowsPerThread; ++i)
+#pragma unroll
+            for (int e = 0; e < kVecO; ++e) part[i][e] = Accum(0);
+#pragma unroll 2
+        for (int n = 0; n < Grid::kBlockN; n += kVec) {
+            Vec<Accum, kVec> a[Grid::kRowsPerThread];
+#pragma unroll
+            for (int i = 0; i < Grid::kRowsPerThread; ++i)
+                a[i] = load_vec<kVec>(sA + (ty * Grid::kRowsPerThread + i) * Grid::kPStride + n);
+#pragma unroll
+            for (int kk = 0; kk < kVec; ++kk) {
+                const Vec<Accum, kVecO> b =
+                    load_vec<kVecO>(sB + (n + kk) * Grid::kQKVStride + (jc * Grid::kColGroups + tx) * kVecO);
+#pragma unroll
+                for (int i = 0; i < Grid::kRowsPerThread; ++i)
+#pragma unroll
+                    for (int e = 0; e < kVecO; ++e) part[i][e] = fma(a[i].x[kk], b.x[e], part[i][e]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < Grid::kRowsPerThread; ++i)
+#pragma unroll
+            for (int e = 0; e < kVecO; ++e) X[i][jc * kVecO + e] += part[i][e];
+    }
+}
+
 template <typename Grid>
 __device__ __forceinline__ void zero_tile(typename Grid::Accum (&X)[Grid::kRowsPerThread][Grid::kOColsPerThread]) {
 #pragma unroll

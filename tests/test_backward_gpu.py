@@ -194,7 +194,7 @@ def test_torch_adapter_gradients(rng, dtype, causal, deterministic):
     dout = torch.randn(shape_q, device="cuda", dtype=torch.float64).to(tdtype)
 
     def grads_of(fn, dt):
-        xs = [x.to(dt).requires_grad_() for x in inputs]
+        xs = [x.detach().to(dt).clone().requires_grad_() for x in inputs]
         fn(*xs).backward(dout.to(dt))
         return [x.grad.double() for x in xs]
 
