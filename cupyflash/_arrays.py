@@ -101,3 +101,23 @@ def export(x, origin: Origin):
         return importlib.import_module(target).from_dlpack(x)
     except (ImportError, AttributeError):
         return x
+
+
+class _StreamHandle:
+    """A raw cudaStream_t presented through the CUDA stream protocol."""
+
+    def __init__(self, handle: int):
+        self.handle = int(handle)
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def external_stream(handle: int, device_id: int):
+    """A CuPy stream wrapping another library's CUDA stream (a cudaStream_t given as an int), for
+    `with` blocks that make it CuPy's current stream. Enter the device's context first."""
+    import cupy
+
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14 deprecates ExternalStream
+        return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+    return cupy.cuda.ExternalStream(int(handle), device_id)

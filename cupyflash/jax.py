@@ -19,7 +19,7 @@ import math
 import jax
 import numpy
 
-from cupyflash import _attention, _validation, reference
+from cupyflash import _arrays, _attention, _validation, reference
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -126,7 +126,7 @@ def _on_xla_stream(ctx, buffer):
     device_id = cupy.cuda.runtime.pointerGetAttributes(buffer.__cuda_array_interface__["data"][0]).device
     stack = contextlib.ExitStack()
     stack.enter_context(cupy.cuda.Device(device_id))
-    stack.enter_context(cupy.cuda.ExternalStream(int(ctx.stream), device_id))
+    stack.enter_context(_arrays.external_stream(ctx.stream, device_id))
     return stack
 
 

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from cupyflash import _attention
+from cupyflash import _arrays, _attention
 
 __all__ = ["attention", "FlashAttentionFunction"]
 
@@ -38,7 +38,7 @@ def _on_torch_stream(x):
     stack = contextlib.ExitStack()
     stack.enter_context(cupy.cuda.Device(x.device.index))
     stream = torch.cuda.current_stream(x.device)
-    stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, x.device.index))
+    stack.enter_context(_arrays.external_stream(stream.cuda_stream, x.device.index))
     return stack
 
 

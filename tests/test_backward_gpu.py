@@ -233,10 +233,9 @@ def test_torch_adapter_on_a_side_stream(rng):
     torch = pytest.importorskip("torch")
     import cupyflash.torch
 
-    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", requires_grad=True) for _ in range(3))
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side):  # inputs, forward and backward all on the side stream
+        q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", requires_grad=True) for _ in range(3))
         out = cupyflash.torch.attention(q, k, v)
         out.backward(torch.ones_like(out))
     torch.cuda.current_stream().wait_stream(side)
