@@ -296,7 +296,6 @@ class BwdRowKernel:
     source_file = "flash_bwd.cu"
     rows_per_block = 4
     smem_bytes = 0
-    causal = False
 
     @property
     def num_threads(self) -> int:
