@@ -69,8 +69,34 @@ def padded_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
 
 
+class _TiledKernel:
+    """What the tiled kernels share. Their traits' template arguments are the element type, the
+    padded head dim and the tile shape's fields in declaration order; the kernel's are the traits
+    and causal. Subclasses give source_file, kernel_name, traits_name, tile, smem_bytes, grid."""
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.tile.num_warps
+
+    @property
+    def traits(self) -> str:
+        tile_args = ", ".join(str(x) for x in dataclasses.astuple(self.tile))
+        return f"cupyflash::{self.traits_name}<{ELEMENT_TYPES[self.dtype_name]}, {self.head_dim}, {tile_args}>"
+
+    @property
+    def name_expression(self) -> str:
+        return f"cupyflash::{self.kernel_name}<{self.traits}, {'true' if self.causal else 'false'}>"
+
+    def host_checks(self) -> str:
+        """A static_assert that the traits' shared-memory bytes are the host's smem_bytes."""
+        return (
+            f"static_assert({self.traits}::kSmemBytes == {self.smem_bytes}, "
+            f'"cupyflash/_instantiations.py and {self.traits_name} disagree on shared memory");\n'
+        )
+
+
 @dataclasses.dataclass(frozen=True)
-class FwdKernel:
+class FwdKernel(_TiledKernel):
     """One instantiation of kernels/flash_fwd.cu's flash_fwd_kernel."""
 
     dtype_name: str
@@ -79,26 +105,12 @@ class FwdKernel:
     tile_override: TileShape | None = None  # for tuning experiments; None: the traits table
 
     source_file = "flash_fwd.cu"
+    kernel_name = "flash_fwd_kernel"
+    traits_name = "FwdTraits"
 
     @property
     def tile(self) -> TileShape:
         return self.tile_override or tile_shape(self.dtype_name, self.head_dim)
-
-    @property
-    def num_threads(self) -> int:
-        return 32 * self.tile.num_warps
-
-    @property
-    def traits(self) -> str:
-        t = self.tile
-        return (
-            f"cupyflash::FwdTraits<{ELEMENT_TYPES[self.dtype_name]}, {self.head_dim}, "
-            f"{t.block_m}, {t.block_n}, {t.num_warps}, {t.rows_per_thread}, {t.min_blocks_per_sm}>"
-        )
-
-    @property
-    def name_expression(self) -> str:
-        return f"cupyflash::flash_fwd_kernel<{self.traits}, {_cpp_bool(self.causal)}>"
 
     @property
     def smem_bytes(self) -> int:
@@ -111,24 +123,10 @@ class FwdKernel:
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)
 
-    def host_checks(self) -> str:
-        return _smem_check(self.traits, self.smem_bytes)
-
-
-def _cpp_bool(flag: bool) -> str:
-    return "true" if flag else "false"
-
 
 def _row_stride(dtype_name: str, columns: int) -> int:
     """A shared-memory row of `columns` Accum elements plus the kernels' 16-byte pad."""
     return columns + 16 // accum_itemsize(dtype_name)
-
-
-def _smem_check(traits: str, smem_bytes: int) -> str:
-    return (
-        f"static_assert({traits}::kSmemBytes == {smem_bytes}, "
-        f'"cupyflash/_instantiations.py and {traits.split("<")[0]} disagree on shared memory");\n'
-    )
 
 
 def fwd_kernel(dtype_name: str, head_dim: int, causal: bool) -> FwdKernel:
@@ -191,7 +189,7 @@ def dq_tile_shape(dtype_name: str, padded_head_dim: int) -> TileShape:
 
 
 @dataclasses.dataclass(frozen=True)
-class BwdDkdvKernel:
+class BwdDkdvKernel(_TiledKernel):
     """kernels/flash_bwd.cu's flash_bwd_dkdv_kernel: one block per key block."""
 
     dtype_name: str
@@ -199,26 +197,12 @@ class BwdDkdvKernel:
     causal: bool
 
     source_file = "flash_bwd.cu"
+    kernel_name = "flash_bwd_dkdv_kernel"
+    traits_name = "BwdDkdvTraits"
 
     @property
     def tile(self) -> DkdvTileShape:
         return dkdv_tile_shape(self.dtype_name, self.head_dim)
-
-    @property
-    def num_threads(self) -> int:
-        return 32 * self.tile.num_warps
-
-    @property
-    def traits(self) -> str:
-        t = self.tile
-        return (
-            f"cupyflash::BwdDkdvTraits<{ELEMENT_TYPES[self.dtype_name]}, {self.head_dim}, {t.block_m}, "
-            f"{t.block_n}, {t.num_warps}, {t.rows_per_thread}, {t.dq_rows_per_thread}, {t.min_blocks_per_sm}>"
-        )
-
-    @property
-    def name_expression(self) -> str:
-        return f"cupyflash::flash_bwd_dkdv_kernel<{self.traits}, {_cpp_bool(self.causal)}>"
 
     @property
     def smem_bytes(self) -> int:
@@ -236,12 +220,9 @@ class BwdDkdvKernel:
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_k / self.tile.block_n), heads, batch)
 
-    def host_checks(self) -> str:
-        return _smem_check(self.traits, self.smem_bytes)
-
 
 @dataclasses.dataclass(frozen=True)
-class BwdDqKernel:
+class BwdDqKernel(_TiledKernel):
     """kernels/flash_bwd.cu's flash_bwd_dq_kernel (deterministic mode): one block per query block."""
 
     dtype_name: str
@@ -249,26 +230,12 @@ class BwdDqKernel:
     causal: bool
 
     source_file = "flash_bwd.cu"
+    kernel_name = "flash_bwd_dq_kernel"
+    traits_name = "BwdDqTraits"
 
     @property
     def tile(self) -> TileShape:
         return dq_tile_shape(self.dtype_name, self.head_dim)
-
-    @property
-    def num_threads(self) -> int:
-        return 32 * self.tile.num_warps
-
-    @property
-    def traits(self) -> str:
-        t = self.tile
-        return (
-            f"cupyflash::BwdDqTraits<{ELEMENT_TYPES[self.dtype_name]}, {self.head_dim}, "
-            f"{t.block_m}, {t.block_n}, {t.num_warps}, {t.rows_per_thread}, {t.min_blocks_per_sm}>"
-        )
-
-    @property
-    def name_expression(self) -> str:
-        return f"cupyflash::flash_bwd_dq_kernel<{self.traits}, {_cpp_bool(self.causal)}>"
 
     @property
     def smem_bytes(self) -> int:
@@ -280,9 +247,6 @@ class BwdDqKernel:
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)
-
-    def host_checks(self) -> str:
-        return _smem_check(self.traits, self.smem_bytes)
 
 
 @dataclasses.dataclass(frozen=True)

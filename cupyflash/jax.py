@@ -13,6 +13,7 @@ runs instead. Importing this module imports jax, which cupyflash does not otherw
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -119,8 +120,6 @@ def _on_gpu(buffer) -> bool:
 
 
 def _on_xla_stream(ctx, buffer):
-    import contextlib
-
     import cupy
 
     device_id = cupy.cuda.runtime.pointerGetAttributes(buffer.__cuda_array_interface__["data"][0]).device

@@ -31,3 +31,10 @@ def random_qkv(rng, dtype, batch, seqlen_q, seqlen_k, heads, head_dim):
     k = rng.standard_normal((batch, seqlen_k, heads, head_dim)).astype(dtype)
     v = rng.standard_normal((batch, seqlen_k, heads, head_dim)).astype(dtype)
     return q, k, v
+
+
+def bits(x):
+    """x's raw bits, for bit-for-bit comparisons (NaN == NaN, -0 != +0)."""
+    import numpy
+
+    return x.view({2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}[x.dtype.itemsize])

@@ -5,20 +5,9 @@ import pytest
 
 import cupyflash
 from cupyflash import _attention, reference
-from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, numpy_dtype, random_qkv
+from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, bits, numpy_dtype, random_qkv
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def nan_outputs(monkeypatch):
-    """Outputs start as NaN, so any element the kernel fails to write fails the comparison."""
-    import cupy
-
-    def nan_empty(shape, dtype):
-        return cupy.full(shape, numpy.nan, dtype=numpy.float32).astype(dtype)
-
-    monkeypatch.setattr(_attention, "_empty", nan_empty)
 
 
 def assert_matches_reference(q, k, v, out, lse, dtype, causal, scale=None):
@@ -67,10 +56,6 @@ def test_every_head_dim_class(rng, nan_outputs, dtype, head_dim):
     assert_matches_reference(q, k, v, out, lse, dtype, True, scale=0.3)
 
 
-def _bits(x):
-    return x.view({2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}[x.dtype.itemsize])
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_views(rng, nan_outputs, dtype):
     import cupy
@@ -86,7 +71,7 @@ def test_strided_views(rng, nan_outputs, dtype):
     out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
     assert_matches_reference(q, k, v, out, lse, dtype, True)
     for x, x0 in zip((q, k, v), before):  # inputs untouched, bit for bit
-        assert bool((_bits(x) == _bits(x0)).all())
+        assert bool((bits(x) == bits(x0)).all())
 
 
 def test_numpy_in_numpy_out(rng):
@@ -172,13 +157,17 @@ def test_too_much_shared_memory_is_a_clear_error(monkeypatch):
         _compile.get_function.__wrapped__(kernel, 0)
 
 
-def test_params_struct_layout_matches_host():
+@pytest.mark.parametrize("source_file,struct,attr", [
+    ("flash_fwd.cu", "cupyflash::FwdParams", "FWD_PARAMS_DTYPE"),
+    ("flash_bwd.cu", "cupyflash::BwdParams", "BWD_PARAMS_DTYPE"),
+])
+def test_params_struct_layout_matches_host(source_file, struct, attr):
     import cupy
 
     from cupyflash import _compile, _instantiations
 
-    dtype = _instantiations.FWD_PARAMS_DTYPE
-    code = _compile.kernel_source() + _instantiations.params_layout_probe("cupyflash::FwdParams", dtype)
+    dtype = getattr(_instantiations, attr)
+    code = _compile.kernel_source(source_file) + _instantiations.params_layout_probe(struct, dtype)
     probe = cupy.RawModule(code=code, options=_compile.COMPILE_OPTIONS).get_function("params_layout_probe")
     offsets = cupy.zeros(len(dtype.names), dtype=numpy.int64)
     probe((1,), (1,), (offsets,))
