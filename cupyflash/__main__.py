@@ -6,6 +6,11 @@
         memory against standard CuPy attention. With no GPU, runs the NumPy tiled fallback on a
         small problem instead.
 
+    python -m cupyflash bench [--dtype bfloat16 --head-dim 128 --seqlen 4096 ... --flex]
+        The FlashAttention benchmark grid against PyTorch SDPA's backends, FlexAttention and
+        standard attention (benchmarks/bench.py; needs a source checkout, a GPU, tqdm and
+        matplotlib): correctness first, then median CUDA-event timings, a table, CSV and PNG.
+
     python -m cupyflash check-kernels [--arch sm_80 --arch sm_90a] [--dtype float16 ...]
         Compiles every kernel instantiation with NVRTC (no GPU needed), prints registers, shared
         memory and spills per kernel, and exits non-zero on a compile failure or a spill.
@@ -26,7 +31,27 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["check-kernels"]:
         return check_kernels(argv[1:])
+    if argv[:1] == ["bench"]:
+        return bench(argv[1:])
     return run(argv)
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def bench(argv) -> int:
+    """Runs benchmarks/bench.py of the source tree (it is not part of an installed wheel)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    if not path.is_file():
+        print(f"bench runs from a source checkout: {path} not found", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("cupyflash_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 # --------------------------------------------------------------------------- check-kernels

@@ -155,11 +155,22 @@ def _launch(kernel, device_id: int, grid, params) -> None:
     function(grid, (kernel.num_threads,), (params,), shared_mem=kernel.smem_bytes)
 
 
-def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=None) -> None:
+def tensor_cores_for(p: _validation.AttentionProblem, device_id: int) -> bool:
+    """Whether the problem takes the tensor-core kernels on this device (16-bit, sm_80 or newer)."""
+    import cupy
+
+    capability = int(cupy.cuda.Device(device_id).compute_capability)
+    return _instantiations.uses_tensor_cores(p.dtype_name, capability)
+
+
+def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=None, tensor_cores=None) -> None:
     """Launches the forward kernel on CuPy's current stream; arrays must already be validated.
 
-    `kernel` (an _instantiations.FwdKernel) defaults to the traits table's choice."""
-    kernel = kernel or _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.causal)
+    `kernel` (an _instantiations.FwdKernel or TcFwdKernel) defaults to the traits table's choice:
+    the tensor-core kernel where `tensor_cores_for` allows it, unless tensor_cores=False."""
+    if tensor_cores is None:
+        tensor_cores = tensor_cores_for(p, q.device.id)
+    kernel = kernel or _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.causal, tensor_cores)
     params = numpy.zeros(1, dtype=_instantiations.FWD_PARAMS_DTYPE)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         params[name] = x.data.ptr
@@ -249,9 +260,12 @@ def _backward_gpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
     return dq, dk, dv
 
 
-def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, p: _validation.AttentionProblem) -> None:
+def launch_backward(
+    dout, q, k, v, out, lse, dq, dk, dv, p: _validation.AttentionProblem, tensor_cores=None, kernels=None
+) -> None:
     """Launches the backward kernels on CuPy's current stream, writing dq, dk, dv (any strides,
-    head_dim contiguous); arrays must already be validated."""
+    head_dim contiguous); arrays must already be validated. tensor_cores as in `launch_forward`;
+    `kernels` (dK/dV kernel, dQ kernel) overrides the traits table's pair (for tuning)."""
     import cupy
 
     if p.batch == 0 or p.heads == 0:  # nothing to launch over
@@ -280,7 +294,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, p: _validation.Attentio
         if grid[0] > 0:  # seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do
             _launch(kernel, device_id, grid, params)
 
-    dkdv_kernel, dq_kernel = _instantiations.bwd_kernels(p.dtype_name, p.head_dim, p.causal)
+    if tensor_cores is None:
+        tensor_cores = tensor_cores_for(p, device_id)
+    dkdv_kernel, dq_kernel = kernels or _instantiations.bwd_kernels(p.dtype_name, p.head_dim, p.causal, tensor_cores)
     launch(_instantiations.BwdRowKernel("preprocess", p.dtype_name))
     launch(dkdv_kernel)
     launch(dq_kernel if p.deterministic else _instantiations.BwdRowKernel("convert_dq", p.dtype_name))

@@ -129,8 +129,10 @@ def _row_stride(dtype_name: str, columns: int) -> int:
     return columns + 16 // accum_itemsize(dtype_name)
 
 
-def fwd_kernel(dtype_name: str, head_dim: int, causal: bool) -> FwdKernel:
-    return FwdKernel(dtype_name, padded_head_dim(head_dim), bool(causal))
+def fwd_kernel(dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False):
+    """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), else FwdKernel."""
+    kind = TcFwdKernel if tensor_cores else FwdKernel
+    return kind(dtype_name, padded_head_dim(head_dim), bool(causal))
 
 
 def all_fwd_kernels() -> list[FwdKernel]:
@@ -279,10 +281,12 @@ class BwdRowKernel:
 BWD_ROW_STEPS = ("preprocess", "convert_dq")
 
 
-def bwd_kernels(dtype_name: str, head_dim: int, causal: bool):
-    """(dK/dV kernel, deterministic dQ kernel) for a problem."""
+def bwd_kernels(dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False):
+    """(dK/dV kernel, deterministic dQ kernel) for a problem; with tensor_cores (16-bit dtypes
+    only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels."""
     d = padded_head_dim(head_dim)
-    return BwdDkdvKernel(dtype_name, d, bool(causal)), BwdDqKernel(dtype_name, d, bool(causal))
+    kinds = (TcBwdDkdvKernel, TcBwdDqKernel) if tensor_cores else (BwdDkdvKernel, BwdDqKernel)
+    return tuple(kind(dtype_name, d, bool(causal)) for kind in kinds)
 
 
 def all_bwd_kernels() -> list:
@@ -296,7 +300,164 @@ def all_bwd_kernels() -> list:
 
 def all_kernels() -> list:
     """Every instantiation: what `check-kernels` and the CPU compile tests build."""
-    return all_fwd_kernels() + all_bwd_kernels()
+    return all_fwd_kernels() + all_bwd_kernels() + all_tc_kernels()
+
+
+# --------------------------------------------------------------------------- tensor cores
+
+# float16 / bfloat16 run on tensor cores (mma.sync, sm_80 and newer): kernels/flash_fwd_tc.cu and
+# flash_bwd_tc.cu. float32 and float64 always take the scalar kernels above, which stay exact.
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
+TENSOR_CORE_MIN_CC = 80
+_TC_PAD = 8  # elements of padding per shared-memory row (TcWarpLayout::kPad)
+
+
+@dataclasses.dataclass(frozen=True)
+class TcTileShape:
+    block_m: int  # B_r, queries per block
+    block_n: int  # B_c, keys per iteration
+    num_warps: int  # block_m / num_warps rows per warp, in whole m16 tiles
+    min_blocks_per_sm: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TcBwdTileShape:
+    block_m: int  # B_r, queries (per iteration in dK/dV, per block in dQ)
+    block_n: int  # B_c, keys (per block in dK/dV, per iteration in dQ)
+    num_warps: int
+    out_split: int  # column slices of dK, dV, dQ, one per block (bounds registers at large d)
+    min_blocks_per_sm: int
+
+
+# The traits table of the tensor-core kernels, by padded head dim. Every tile fits an A100's
+# 163 KiB of shared memory and compiles without spills (`python -m cupyflash check-kernels`).
+def tc_fwd_tile_shape(padded_head_dim: int) -> TcTileShape:
+    if padded_head_dim <= 32:
+        return TcTileShape(128, 128, num_warps=4, min_blocks_per_sm=1)
+    if padded_head_dim <= 96:
+        return TcTileShape(128, 64, num_warps=4, min_blocks_per_sm=1)
+    if padded_head_dim <= 128:  # (128, 64, 4) times the same on an H100 but spills at sm_80
+        return TcTileShape(128, 32, num_warps=4, min_blocks_per_sm=1)
+    return TcTileShape(128, 64, num_warps=8, min_blocks_per_sm=1)
+
+
+def tc_dkdv_tile_shape(padded_head_dim: int) -> TcBwdTileShape:
+    if padded_head_dim <= 96:
+        return TcBwdTileShape(64, 128, num_warps=8, out_split=1, min_blocks_per_sm=1)
+    if padded_head_dim <= 128:
+        return TcBwdTileShape(32, 128, num_warps=8, out_split=1, min_blocks_per_sm=1)
+    if padded_head_dim <= 192:
+        return TcBwdTileShape(32, 64, num_warps=4, out_split=2, min_blocks_per_sm=1)
+    if padded_head_dim <= 224:  # 14 column pairs split only in 2 or 7 slices
+        return TcBwdTileShape(16, 64, num_warps=4, out_split=2, min_blocks_per_sm=1)
+    return TcBwdTileShape(32, 64, num_warps=4, out_split=4, min_blocks_per_sm=1)
+
+
+def tc_dq_tile_shape(padded_head_dim: int) -> TcBwdTileShape:
+    if padded_head_dim <= 128:
+        return TcBwdTileShape(128, 64, num_warps=8, out_split=1, min_blocks_per_sm=1)
+    return TcBwdTileShape(64, 32, num_warps=4, out_split=2, min_blocks_per_sm=1)
+
+
+def _tc_tile_bytes(rows: int, columns: int) -> int:
+    return rows * (columns + _TC_PAD) * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TcFwdKernel(_TiledKernel):
+    """kernels/flash_fwd_tc.cu's flash_fwd_tc_kernel: one block per query block."""
+
+    dtype_name: str
+    head_dim: int  # padded
+    causal: bool
+    tile_override: TcTileShape | None = None
+
+    source_file = "flash_fwd_tc.cu"
+    kernel_name = "flash_fwd_tc_kernel"
+    traits_name = "TcFwdTraits"
+
+    @property
+    def tile(self) -> TcTileShape:
+        return self.tile_override or tc_fwd_tile_shape(self.head_dim)
+
+    @property
+    def smem_bytes(self) -> int:
+        # Mirrors TcFwdTraits::kSmemBytes: Q_i, K_j, V_j.
+        t = self.tile
+        return _tc_tile_bytes(t.block_m + 2 * t.block_n, self.head_dim)
+
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class TcBwdDkdvKernel(_TiledKernel):
+    """kernels/flash_bwd_tc.cu's flash_bwd_dkdv_tc_kernel: one block per key block and column slice."""
+
+    dtype_name: str
+    head_dim: int  # padded
+    causal: bool
+    tile_override: TcBwdTileShape | None = None
+
+    source_file = "flash_bwd_tc.cu"
+    kernel_name = "flash_bwd_dkdv_tc_kernel"
+    traits_name = "TcBwdDkdvTraits"
+
+    @property
+    def tile(self) -> TcBwdTileShape:
+        return self.tile_override or tc_dkdv_tile_shape(self.head_dim)
+
+    @property
+    def smem_bytes(self) -> int:
+        # Mirrors TcBwdDkdvTraits::kSmemBytes: K_j, V_j, 2 x (Q_i, dO_i), dS^T, 2 x (lse_i, D_i).
+        t = self.tile
+        tiles = _tc_tile_bytes(2 * t.block_n + 4 * t.block_m, self.head_dim) + _tc_tile_bytes(t.block_n, t.block_m)
+        return tiles + 2 * 2 * t.block_m * 4
+
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_k / self.tile.block_n) * self.tile.out_split, heads, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class TcBwdDqKernel(_TiledKernel):
+    """kernels/flash_bwd_tc.cu's flash_bwd_dq_tc_kernel (deterministic mode)."""
+
+    dtype_name: str
+    head_dim: int  # padded
+    causal: bool
+    tile_override: TcBwdTileShape | None = None
+
+    source_file = "flash_bwd_tc.cu"
+    kernel_name = "flash_bwd_dq_tc_kernel"
+    traits_name = "TcBwdDqTraits"
+
+    @property
+    def tile(self) -> TcBwdTileShape:
+        return self.tile_override or tc_dq_tile_shape(self.head_dim)
+
+    @property
+    def smem_bytes(self) -> int:
+        # Mirrors TcBwdDqTraits::kSmemBytes: Q_i, dO_i, 2 x (K_j, V_j).
+        t = self.tile
+        return _tc_tile_bytes(2 * t.block_m + 4 * t.block_n, self.head_dim)
+
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.tile.block_m) * self.tile.out_split, heads, batch)
+
+
+def uses_tensor_cores(dtype_name: str, compute_capability: int) -> bool:
+    """Whether attention on a device of this compute capability (e.g. 90) takes the tensor-core kernels."""
+    return dtype_name in TENSOR_CORE_DTYPES and compute_capability >= TENSOR_CORE_MIN_CC
+
+
+def all_tc_kernels() -> list:
+    return [
+        kind(dtype_name, d, causal)
+        for dtype_name in TENSOR_CORE_DTYPES
+        for d in PADDED_HEAD_DIMS
+        for causal in (False, True)
+        for kind in (TcFwdKernel, TcBwdDkdvKernel, TcBwdDqKernel)
+    ]
 
 
 # The host's image of struct FwdParams (kernels/flash_fwd.cuh); align=True gives C's layout.
@@ -322,6 +483,8 @@ BWD_PARAMS_DTYPE = numpy.dtype(
 PARAMS_STRUCTS = {
     "flash_fwd.cu": (("cupyflash::FwdParams", "FWD_PARAMS_DTYPE"),),
     "flash_bwd.cu": (("cupyflash::FwdParams", "FWD_PARAMS_DTYPE"), ("cupyflash::BwdParams", "BWD_PARAMS_DTYPE")),
+    "flash_fwd_tc.cu": (("cupyflash::FwdParams", "FWD_PARAMS_DTYPE"),),
+    "flash_bwd_tc.cu": (("cupyflash::FwdParams", "FWD_PARAMS_DTYPE"), ("cupyflash::BwdParams", "BWD_PARAMS_DTYPE")),
 }
 
 

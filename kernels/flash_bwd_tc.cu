@@ -1,0 +1,317 @@
+// Attention backward on tensor cores (float16 / bfloat16, sm_80+): FlashAttention-2, Algorithm 2,
+// with mma.sync.m16n8k16 and float32 accumulation. Same schedule as the scalar flash_bwd.cu, whose
+// preprocess (D_i, lse_i·log2(e)) and dQ-conversion kernels it shares:
+//   flash_bwd_dkdv_tc_kernel: one block per key block; its warps own key rows, so
+//     S_ij^T = K_j Q_i^T, P^T = exp2(S^T·scale·log2(e) - lse_i), dP^T = V_j dO_i^T and
+//     dS^T = P^T ∘ (dP^T - D_i) come out with keys as rows and feed dV_j += P^T dO_i and
+//     dK_j += dS^T Q_i straight from registers (rounded to the input type, as FlashAttention-2
+//     does). dQ_i += dS_ij K_j goes through dS^T in shared memory and float32 atomics.
+//   flash_bwd_dq_tc_kernel (deterministic mode): one block per query block, recomputes P_ij and
+//     dP_ij and sums dQ_i over the key blocks in a fixed order, with no atomics.
+#include "flash_bwd.cuh"
+#include "flash_tc.cuh"
+
+namespace cupyflash {
+
+// Q_i, dO_i (asynchronously) and lse_i·log2(e), D_i for the kBlockM queries from q_row0. Rows past
+// seqlen_q get lse = +inf, so their P_ij are exactly 0 whatever their (zero) scores.
+template <typename Bt>
+__device__ __forceinline__ void load_query_block(const BwdParams& params, typename Bt::Storage* sQ,
+                                                 typename Bt::Storage* sdO, float* sLse2, float* sD,
+                                                 const typename Bt::Storage* q, const typename Bt::Storage* dout,
+                                                 const float* lse_log2, const float* d, int q_row0) {
+    const int rows_valid = min(Bt::kBlockM, params.seqlen_q - q_row0);
+    load_tile_async<Bt, Bt::kBlockM>(sQ, q + q_row0 * params.q_row_stride, params.q_row_stride, rows_valid,
+                                     params.head_dim);
+    load_tile_async<Bt, Bt::kBlockM>(sdO, dout + q_row0 * params.dout_row_stride, params.dout_row_stride,
+                                     rows_valid, params.head_dim);
+    for (int i = threadIdx.x; i < Bt::kBlockM; i += Bt::kNThreads) {
+        sLse2[i] = i < rows_valid ? lse_log2[q_row0 + i] : pos_inf<float>();
+        sD[i] = i < rows_valid ? d[q_row0 + i] : 0.f;
+    }
+}
+
+// Grid: (ceil(seqlen_k / kBlockN) · kOutSplit, heads, batch). Block: Bt::kNThreads.
+// Shared memory: Bt::kSmemBytes.
+template <typename Bt, bool kIsCausal>
+__global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
+    flash_bwd_dkdv_tc_kernel(const BwdParams params) {
+    using Storage = typename Bt::Storage;
+    using Op = typename Bt::Op;
+    constexpr int kOutTiles = Bt::kHeadDimOut / 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    Storage* sK = reinterpret_cast<Storage*>(smem) + Bt::kSmemKOffset;   // K_j [kBlockN][kStride]
+    Storage* sV = reinterpret_cast<Storage*>(smem) + Bt::kSmemVOffset;   // V_j [kBlockN][kStride]
+    Storage* sQ = reinterpret_cast<Storage*>(smem) + Bt::kSmemQOffset;   // Q_i [2][kBlockM][kStride]
+    Storage* sdO = reinterpret_cast<Storage*>(smem) + Bt::kSmemDoOffset; // dO_i [2][kBlockM][kStride]
+    Storage* sdSt = reinterpret_cast<Storage*>(smem) + Bt::kSmemDsOffset; // dS_ij^T [kBlockN][kDsStride]
+    float* sLse2 = reinterpret_cast<float*>(smem + Bt::kSmemRowStatsOffset);  // [2][kBlockM]
+    float* sD = sLse2 + 2 * Bt::kBlockM;                                      // [2][kBlockM]
+
+    const int n_block = blockIdx.x / Bt::kOutSplit;
+    const int col_out0 = blockIdx.x % Bt::kOutSplit * Bt::kHeadDimOut;  // this block's slice of dK_j, dV_j, dQ_i
+    const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const Fragment f(lane);
+    const int key0 = n_block * Bt::kBlockN;
+    const int keys_valid = min(Bt::kBlockN, params.seqlen_k - key0);
+    const int warp_key0 = key0 + warp * Bt::kWarpRows;
+
+    // Query blocks that see this key block: with causal, query i sees key j when
+    // i >= j - (seqlen_k - seqlen_q); earlier query blocks are skipped.
+    const int m_block_max = ceil_div(params.seqlen_q, Bt::kBlockM);
+    int m_block_min = 0;
+    if (kIsCausal) m_block_min = max(0, key0 - params.seqlen_k + params.seqlen_q) / Bt::kBlockM;
+
+    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+                       head_idx * params.q_head_stride;
+    const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+                          head_idx * params.dout_head_stride;
+    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+                       head_idx * params.k_head_stride + key0 * params.k_row_stride;
+    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+                       head_idx * params.v_head_stride + key0 * params.v_row_stride;
+    const long long row_stats = row_vector_offset(params, batch_idx, head_idx);
+    const float* lse_log2 = static_cast<const float*>(params.lse_log2) + row_stats;
+    const float* d = static_cast<const float*>(params.d) + row_stats;
+
+    load_tile_async<Bt, Bt::kBlockN>(sK, k, params.k_row_stride, keys_valid, params.head_dim);
+    load_tile_async<Bt, Bt::kBlockN>(sV, v, params.v_row_stride, keys_valid, params.head_dim);
+    if (m_block_min < m_block_max)
+        load_query_block<Bt>(params, sQ, sdO, sLse2, sD, q, dout, lse_log2, d, m_block_min * Bt::kBlockM);
+    cp_async_commit();
+
+    float dV[Bt::kMTiles][kOutTiles][4], dK[Bt::kMTiles][kOutTiles][4];
+    zero(dV);
+    zero(dK);
+    const float scale_log2 = static_cast<float>(params.scale_log2);
+    const Storage* sK_warp = sK + warp * Bt::kWarpRows * Bt::kStride;
+    const Storage* sV_warp = sV + warp * Bt::kWarpRows * Bt::kStride;
+
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+        const int buf = (m_block - m_block_min) % 2;
+        const int q_row0 = m_block * Bt::kBlockM;
+        const Storage* sQ_i = sQ + buf * Bt::kBlockM * Bt::kStride;
+        const Storage* sdO_i = sdO + buf * Bt::kBlockM * Bt::kStride;
+        const float* sLse2_i = sLse2 + buf * Bt::kBlockM;
+        const float* sD_i = sD + buf * Bt::kBlockM;
+        cp_async_wait<0>();
+        __syncthreads();  // Q_i, dO_i (and K_j, V_j) have landed; every warp is done with the other buffer and dS^T
+        if (m_block + 1 < m_block_max) {
+            const int other = 1 - buf;
+            load_query_block<Bt>(params, sQ + other * Bt::kBlockM * Bt::kStride,
+                                 sdO + other * Bt::kBlockM * Bt::kStride, sLse2 + other * Bt::kBlockM,
+                                 sD + other * Bt::kBlockM, q, dout, lse_log2, d, q_row0 + Bt::kBlockM);
+        }
+        cp_async_commit();
+
+        // S_ij^T = K_j Q_i^T, masked, then P_ij^T = exp2(S^T·scale·log2(e) - lse_i·log2(e)).
+        float St[Bt::kMTiles][Bt::kNTiles][4];
+        zero(St);
+        gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, Bt::kStride, Bt::kStride>(St, sK_warp, sQ_i, lane);
+        if (keys_valid < Bt::kBlockN ||
+            (kIsCausal && key0 + Bt::kBlockN - 1 > q_row0 + params.seqlen_k - params.seqlen_q))
+            mask_fragments<kIsCausal, true>(St, warp_key0, q_row0, params.seqlen_q, params.seqlen_k, f);
+#pragma unroll
+        for (int nt = 0; nt < Bt::kNTiles; ++nt) {
+            const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + f.col(nt, 0));
+#pragma unroll
+            for (int mt = 0; mt < Bt::kMTiles; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    St[mt][nt][2 * h] = exp2f(fmaf(St[mt][nt][2 * h], scale_log2, -lse2.x));
+                    St[mt][nt][2 * h + 1] = exp2f(fmaf(St[mt][nt][2 * h + 1], scale_log2, -lse2.y));
+                }
+        }
+
+        // dV_j += P^T dO_i on this block's column slice. P^T is rounded to the input type first,
+        // as the product takes it, and dS below reuses the rounded values: the fp32 scores are then
+        // dead before dP^T is formed, which keeps dK_j, dV_j and both score tiles within registers.
+        unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4];
+        to_a_fragments<Op>(St, Pt);
+        gemm_ab_rs<Op, Bt::kMTiles, kOutTiles, Bt::kNTiles / 2, Bt::kStride>(dV, Pt, sdO_i + col_out0, lane);
+
+        // dP_ij^T = V_j dO_i^T, then dS_ij^T = P^T ∘ (dP^T - D_i) in place.
+        float dPt[Bt::kMTiles][Bt::kNTiles][4];
+        zero(dPt);
+        gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, Bt::kStride, Bt::kStride>(dPt, sV_warp, sdO_i, lane);
+#pragma unroll
+        for (int nt = 0; nt < Bt::kNTiles; ++nt) {
+            const float2 d_i = *reinterpret_cast<const float2*>(sD_i + f.col(nt, 0));
+#pragma unroll
+            for (int mt = 0; mt < Bt::kMTiles; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    // A fragment register r holds rows h = r % 2 of n8 tile 2kk + r / 2.
+                    const float2 p = Op::unpack(Pt[mt][nt / 2][(nt % 2) * 2 + h]);
+                    dPt[mt][nt][2 * h] = p.x * (dPt[mt][nt][2 * h] - d_i.x);
+                    dPt[mt][nt][2 * h + 1] = p.y * (dPt[mt][nt][2 * h + 1] - d_i.y);
+                }
+        }
+
+        // dK_j += dS^T Q_i on this block's column slice.
+        unsigned dSt[Bt::kMTiles][Bt::kNTiles / 2][4];
+        to_a_fragments<Op>(dPt, dSt);
+        gemm_ab_rs<Op, Bt::kMTiles, kOutTiles, Bt::kNTiles / 2, Bt::kStride>(dK, dSt, sQ_i + col_out0, lane);
+
+        if (params.dq_accum != nullptr) {
+            const int wm = warp % Bt::kDqWarpsM, wn = warp / Bt::kDqWarpsM;
+            // dS^T to shared memory, so that dQ_i += dS_ij K_j can be shared out by query rows.
+#pragma unroll
+            for (int mt = 0; mt < Bt::kMTiles; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < Bt::kNTiles / 2; ++kk)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int row = warp * Bt::kWarpRows + f.row(mt, r % 2), col = kk * 16 + f.col(r / 2, 0);
+                        *reinterpret_cast<unsigned*>(sdSt + row * Bt::kDsStride + col) = dSt[mt][kk][r];
+                    }
+            __syncthreads();  // dS^T is complete
+            if (wn >= Bt::kDqWarpsN) continue;
+            const int dq_row0 = q_row0 + wm * Bt::kDqMTiles * 16, dq_col0 = col_out0 + wn * Bt::kDqCols;
+            const long long dq_row_stride = static_cast<long long>(params.heads) * params.head_dim;
+            float* dq_accum = static_cast<float*>(params.dq_accum) +
+                              (static_cast<long long>(batch_idx) * params.seqlen_q * params.heads + head_idx) *
+                                  params.head_dim +
+                              dq_row0 * dq_row_stride + dq_col0;
+            // In column chunks: a whole row slice of dQ_i would sit in registers beside dK_j and dV_j.
+            constexpr int kChunk = Bt::kDqCols % 32 == 0 ? 32 : 16;
+#pragma unroll 1
+            for (int c = 0; c < Bt::kDqCols; c += kChunk) {
+                float dQ[Bt::kDqMTiles][kChunk / 8][4];
+                zero(dQ);
+                gemm_atb_ss<Op, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kDsStride, Bt::kStride>(
+                    dQ, sdSt + wm * Bt::kDqMTiles * 16, sK + dq_col0 + c, lane);
+                atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c,
+                                     dQ, static_cast<float>(params.scale), f);
+            }
+        }
+    }
+    cp_async_wait<0>();  // nothing may still be landing when the block exits
+
+    Storage* dk = static_cast<Storage*>(params.dk) + batch_idx * params.dk_batch_stride +
+                  head_idx * params.dk_head_stride + warp_key0 * params.dk_row_stride + col_out0;
+    Storage* dv = static_cast<Storage*>(params.dv) + batch_idx * params.dv_batch_stride +
+                  head_idx * params.dv_head_stride + warp_key0 * params.dv_row_stride + col_out0;
+    store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
+                                          params.head_dim - col_out0, dK, static_cast<float>(params.scale), f);
+    store_fragments<typename Bt::Element>(dv, params.dv_row_stride, params.seqlen_k - warp_key0,
+                                          params.head_dim - col_out0, dV, 1.f, f);
+}
+
+// Grid: (ceil(seqlen_q / kBlockM) · kOutSplit, heads, batch). Block: Dt::kNThreads.
+// Shared memory: Dt::kSmemBytes.
+template <typename Dt, bool kIsCausal>
+__global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_tc_kernel(const BwdParams params) {
+    using Storage = typename Dt::Storage;
+    using Op = typename Dt::Op;
+    constexpr int kOutTiles = Dt::kHeadDimOut / 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    Storage* sQ = reinterpret_cast<Storage*>(smem) + Dt::kSmemQOffset;    // Q_i [kBlockM][kStride]
+    Storage* sdO = reinterpret_cast<Storage*>(smem) + Dt::kSmemDoOffset;  // dO_i [kBlockM][kStride]
+    Storage* sK = reinterpret_cast<Storage*>(smem) + Dt::kSmemKOffset;    // K_j [2][kBlockN][kStride]
+    Storage* sV = reinterpret_cast<Storage*>(smem) + Dt::kSmemVOffset;    // V_j [2][kBlockN][kStride]
+
+    const int m_block = blockIdx.x / Dt::kOutSplit;
+    const int col_out0 = blockIdx.x % Dt::kOutSplit * Dt::kHeadDimOut;
+    const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const Fragment f(lane);
+    const int row0 = m_block * Dt::kBlockM;
+    const int rows_valid = min(Dt::kBlockM, params.seqlen_q - row0);
+    const int warp_row0 = row0 + warp * Dt::kWarpRows;
+
+    int n_block_max = ceil_div(params.seqlen_k, Dt::kBlockN);
+    if (kIsCausal) {
+        const int last_key = row0 + rows_valid - 1 + params.seqlen_k - params.seqlen_q;
+        n_block_max = min(n_block_max, last_key < 0 ? 0 : last_key / Dt::kBlockN + 1);
+    }
+
+    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+                       head_idx * params.q_head_stride + row0 * params.q_row_stride;
+    const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+                          head_idx * params.dout_head_stride + row0 * params.dout_row_stride;
+    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+                       head_idx * params.k_head_stride;
+    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+                       head_idx * params.v_head_stride;
+
+    // This thread's rows' lse_i·log2(e) and D_i; rows past seqlen_q get P = 0 (lse = +inf).
+    float lse2[Dt::kMTiles][2], d_i[Dt::kMTiles][2];
+    const long long row_stats = row_vector_offset(params, batch_idx, head_idx);
+#pragma unroll
+    for (int mt = 0; mt < Dt::kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = warp_row0 + f.row(mt, h);
+            const bool valid = row < params.seqlen_q;
+            lse2[mt][h] = valid ? static_cast<const float*>(params.lse_log2)[row_stats + row] : pos_inf<float>();
+            d_i[mt][h] = valid ? static_cast<const float*>(params.d)[row_stats + row] : 0.f;
+        }
+
+    if (n_block_max > 0) {
+        load_tile_async<Dt, Dt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
+        load_tile_async<Dt, Dt::kBlockM>(sdO, dout, params.dout_row_stride, rows_valid, params.head_dim);
+        load_tile_async<Dt, Dt::kBlockN>(sK, k, params.k_row_stride, min(Dt::kBlockN, params.seqlen_k),
+                                         params.head_dim);
+        load_tile_async<Dt, Dt::kBlockN>(sV, v, params.v_row_stride, min(Dt::kBlockN, params.seqlen_k),
+                                         params.head_dim);
+        cp_async_commit();
+    }
+
+    float dQ[Dt::kMTiles][kOutTiles][4];
+    zero(dQ);
+    const float scale_log2 = static_cast<float>(params.scale_log2);
+    const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
+    const Storage* sQ_warp = sQ + warp * Dt::kWarpRows * Dt::kStride;
+    const Storage* sdO_warp = sdO + warp * Dt::kWarpRows * Dt::kStride;
+
+    for (int n_block = 0; n_block < n_block_max; ++n_block) {
+        const int buf = n_block % 2;
+        const int col0 = n_block * Dt::kBlockN;
+        const int keys_valid = min(Dt::kBlockN, params.seqlen_k - col0);
+        const Storage* sK_j = sK + buf * Dt::kBlockN * Dt::kStride;
+        const Storage* sV_j = sV + buf * Dt::kBlockN * Dt::kStride;
+        cp_async_wait<0>();
+        __syncthreads();  // K_j, V_j (and Q_i, dO_i) have landed; every warp is done with the other buffers
+        if (n_block + 1 < n_block_max) {
+            const int next = col0 + Dt::kBlockN, next_valid = min(Dt::kBlockN, params.seqlen_k - next);
+            load_tile_async<Dt, Dt::kBlockN>(sK + (1 - buf) * Dt::kBlockN * Dt::kStride, k + next * params.k_row_stride,
+                                             params.k_row_stride, next_valid, params.head_dim);
+            load_tile_async<Dt, Dt::kBlockN>(sV + (1 - buf) * Dt::kBlockN * Dt::kStride, v + next * params.v_row_stride,
+                                             params.v_row_stride, next_valid, params.head_dim);
+        }
+        cp_async_commit();
+
+        float S[Dt::kMTiles][Dt::kNTiles][4], dP[Dt::kMTiles][Dt::kNTiles][4];
+        zero(S);
+        gemm_abt_ss<Op, Dt::kMTiles, Dt::kNTiles, Dt::kKSteps, Dt::kStride, Dt::kStride>(S, sQ_warp, sK_j, lane);
+        if (keys_valid < Dt::kBlockN || (kIsCausal && col0 + Dt::kBlockN - 1 > first_row_last_key))
+            mask_fragments<kIsCausal, false>(S, warp_row0, col0, params.seqlen_q, params.seqlen_k, f);
+        zero(dP);
+        gemm_abt_ss<Op, Dt::kMTiles, Dt::kNTiles, Dt::kKSteps, Dt::kStride, Dt::kStride>(dP, sdO_warp, sV_j, lane);
+        // dS_ij = P_ij ∘ (dP_ij - D_i), P_ij = exp2(S·scale·log2(e) - lse_i·log2(e)), in place in dP.
+#pragma unroll
+        for (int mt = 0; mt < Dt::kMTiles; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int nt = 0; nt < Dt::kNTiles; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = exp2f(fmaf(S[mt][nt][2 * h + e], scale_log2, -lse2[mt][h]));
+                        dP[mt][nt][2 * h + e] = p * (dP[mt][nt][2 * h + e] - d_i[mt][h]);
+                    }
+        unsigned dS[Dt::kMTiles][Dt::kNTiles / 2][4];
+        to_a_fragments<Op>(dP, dS);
+        gemm_ab_rs<Op, Dt::kMTiles, kOutTiles, Dt::kNTiles / 2, Dt::kStride>(dQ, dS, sK_j + col_out0, lane);
+    }
+    cp_async_wait<0>();
+
+    Storage* dq = static_cast<Storage*>(params.dq) + batch_idx * params.dq_batch_stride +
+                  head_idx * params.dq_head_stride + warp_row0 * params.dq_row_stride + col_out0;
+    store_fragments<typename Dt::Element>(dq, params.dq_row_stride, params.seqlen_q - warp_row0,
+                                          params.head_dim - col_out0, dQ, static_cast<float>(params.scale), f);
+}
+
+}  // namespace cupyflash

@@ -1,0 +1,166 @@
+// Attention forward on tensor cores (float16 / bfloat16, sm_80+): FlashAttention-2, Algorithm 1,
+// with mma.sync.m16n8k16 and float32 accumulation. Same algorithm, arguments and results as the
+// scalar flash_fwd.cu (the readable baseline); what changes is where the arithmetic runs:
+//   - S_ij = Q_i K_j^T and O_i += P_ij V_j are warp-level mma products on ldmatrix'd fragments;
+//   - P_ij never leaves registers: its accumulator tile is rounded to 16 bits and used directly as
+//     the A operand of P V (so P is rounded to the input type, as in every fused 16-bit kernel);
+//   - K_j and V_j stream in through cp.async, each loaded while the other is being used;
+//   - scores stay unscaled in the products; scale·log2(e) is folded into exp2's argument.
+#include "flash_tc.cuh"
+
+namespace cupyflash {
+
+// Online softmax (Algorithm 1, lines 9-10) on a warp's fragments: m_i (log2 units), l_i (a per-lane
+// partial sum, reduced in the epilogue: FA2's deferred reduction) and the rescale of O_i. S is
+// overwritten with P.
+template <typename Kt>
+__device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kNTiles][4],
+                                               float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
+                                               float (&m)[Kt::kMTiles][2], float (&l)[Kt::kMTiles][2],
+                                               float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < Kt::kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float m_tile = neg_inf<float>();
+#pragma unroll
+            for (int nt = 0; nt < Kt::kNTiles; ++nt) m_tile = fmaxf(m_tile, fmaxf(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
+            const float m_new = fmaxf(m[mt][h], quad_max(m_tile) * scale_log2);
+            // A row with every key masked so far has m_new = -inf; subtracting 0 instead keeps
+            // exp2(-inf - (-inf)) = NaN out, and its probabilities come out exactly 0.
+            const float m_safe = m_new == neg_inf<float>() ? 0.f : m_new;
+            const float rescale = exp2f(m[mt][h] - m_safe);
+            m[mt][h] = m_new;
+            float row_sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < Kt::kNTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(fmaf(S[mt][nt][2 * h + e], scale_log2, -m_safe));
+                    S[mt][nt][2 * h + e] = p;
+                    row_sum += p;
+                }
+            l[mt][h] = l[mt][h] * rescale + row_sum;
+#pragma unroll
+            for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
+                O[mt][dt][2 * h] *= rescale;
+                O[mt][dt][2 * h + 1] *= rescale;
+            }
+        }
+}
+
+// Algorithm 1, lines 12-13: O_i / l_i written in the element type, lse_i = m_i·ln2 + ln(l_i).
+template <typename Kt>
+__device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
+                                         const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
+                                         int batch_idx, int head_idx, int warp_row0, const Fragment& f) {
+    float* lse = static_cast<float*>(params.lse) +
+                 (static_cast<long long>(batch_idx) * params.heads + head_idx) * params.seqlen_q;
+#pragma unroll
+    for (int mt = 0; mt < Kt::kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float l_row = quad_sum(l[mt][h]);
+            const float inv_l = l_row > 0.f ? 1.f / l_row : 0.f;
+#pragma unroll
+            for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
+                O[mt][dt][2 * h] *= inv_l;
+                O[mt][dt][2 * h + 1] *= inv_l;
+            }
+            const int row = warp_row0 + f.row(mt, h);
+            if (f.t == 0 && row < params.seqlen_q) {
+                // In double, as the scalar kernel: the backward rebuilds every P_ij of the row from it.
+                lse[row] = l_row > 0.f ? static_cast<float>(static_cast<double>(m[mt][h]) * kLn2 +
+                                                            log(static_cast<double>(l_row)))
+                                       : neg_inf<float>();
+            }
+        }
+    typename Kt::Storage* o = static_cast<typename Kt::Storage*>(params.o) + batch_idx * params.o_batch_stride +
+                              head_idx * params.o_head_stride + warp_row0 * params.o_row_stride;
+    store_fragments<typename Kt::Element>(o, params.o_row_stride, params.seqlen_q - warp_row0, params.head_dim, O,
+                                          1.f, f);
+}
+
+// Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads. Shared memory: Kt::kSmemBytes.
+template <typename Kt, bool kIsCausal>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_tc_kernel(const FwdParams params) {
+    using Storage = typename Kt::Storage;
+    using Op = typename Kt::Op;
+    extern __shared__ __align__(16) unsigned char smem[];
+    Storage* sQ = reinterpret_cast<Storage*>(smem) + Kt::kSmemQOffset;  // Q_i [kBlockM][kStride]
+    Storage* sK = reinterpret_cast<Storage*>(smem) + Kt::kSmemKOffset;  // K_j [kBlockN][kStride]
+    Storage* sV = reinterpret_cast<Storage*>(smem) + Kt::kSmemVOffset;  // V_j [kBlockN][kStride]
+
+    const int m_block = blockIdx.x, head_idx = blockIdx.y, batch_idx = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const Fragment f(lane);
+    const int row0 = m_block * Kt::kBlockM;
+    const int rows_valid = min(Kt::kBlockM, params.seqlen_q - row0);
+    const int warp_row0 = row0 + warp * Kt::kWarpRows;
+
+    // Key blocks this query block can see; with causal, later blocks are skipped entirely.
+    int n_block_max = ceil_div(params.seqlen_k, Kt::kBlockN);
+    if (kIsCausal) {
+        const int last_key = row0 + rows_valid - 1 + params.seqlen_k - params.seqlen_q;
+        n_block_max = min(n_block_max, last_key < 0 ? 0 : last_key / Kt::kBlockN + 1);
+    }
+
+    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+                       head_idx * params.q_head_stride + row0 * params.q_row_stride;
+    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+                       head_idx * params.k_head_stride;
+    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+                       head_idx * params.v_head_stride;
+
+    float O[Kt::kMTiles][Kt::kHeadDim / 8][4];
+    float m[Kt::kMTiles][2], l[Kt::kMTiles][2];
+    zero(O);
+#pragma unroll
+    for (int mt = 0; mt < Kt::kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) m[mt][h] = neg_inf<float>(), l[mt][h] = 0.f;
+
+    if (n_block_max > 0) {
+        load_tile_async<Kt, Kt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
+        load_tile_async<Kt, Kt::kBlockN>(sK, k, params.k_row_stride, min(Kt::kBlockN, params.seqlen_k),
+                                         params.head_dim);
+        cp_async_commit();
+    }
+    const float scale_log2 = static_cast<float>(params.scale_log2);
+    // Key tiles right of this first one cross some row's causal diagonal and need the mask.
+    const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
+
+    for (int n_block = 0; n_block < n_block_max; ++n_block) {
+        const int col0 = n_block * Kt::kBlockN;
+        const int keys_valid = min(Kt::kBlockN, params.seqlen_k - col0);
+        cp_async_wait<0>();
+        __syncthreads();  // K_j (and Q_i) have landed; every warp is done reading V_{j-1}
+        load_tile_async<Kt, Kt::kBlockN>(sV, v + col0 * params.v_row_stride, params.v_row_stride, keys_valid,
+                                         params.head_dim);
+        cp_async_commit();
+
+        float S[Kt::kMTiles][Kt::kNTiles][4];
+        zero(S);
+        gemm_abt_ss<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride, Kt::kStride>(
+            S, sQ + warp * Kt::kWarpRows * Kt::kStride, sK, lane);
+        if (keys_valid < Kt::kBlockN || (kIsCausal && col0 + Kt::kBlockN - 1 > first_row_last_key))
+            mask_fragments<kIsCausal, false>(S, warp_row0, col0, params.seqlen_q, params.seqlen_k, f);
+        online_softmax_tc<Kt>(S, O, m, l, scale_log2);
+        unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
+        to_a_fragments<Op>(S, P);
+
+        cp_async_wait<0>();
+        __syncthreads();  // V_j has landed; every warp is done reading K_j
+        if (n_block + 1 < n_block_max) {
+            const int next = col0 + Kt::kBlockN;
+            load_tile_async<Kt, Kt::kBlockN>(sK, k + next * params.k_row_stride, params.k_row_stride,
+                                             min(Kt::kBlockN, params.seqlen_k - next), params.head_dim);
+        }
+        cp_async_commit();
+        gemm_ab_rs<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles / 2, Kt::kStride>(O, P, sV, lane);
+    }
+
+    epilogue_tc<Kt>(params, O, m, l, batch_idx, head_idx, warp_row0, f);
+}
+
+}  // namespace cupyflash

@@ -1,0 +1,235 @@
+// Warp-level steps shared by the tensor-core forward and backward kernels: tile loads with
+// cp.async, the three shapes of matrix product they need, masks, and fragment stores.
+//
+// A warp's accumulator tile C[kMTiles][kNTiles][4] holds, for m16 tile mt and n8 tile nt, the
+// elements (row mt·16 + g + 8h, column nt·8 + 2t + e) at C[mt][nt][2h + e], lane = 4g + t
+// (mma.cuh). Rows are local to the warp's tile, columns to the product's column range.
+#pragma once
+#include "flash_fwd.cuh"
+#include "flash_tc_traits.cuh"
+
+namespace cupyflash {
+
+struct Fragment {
+    int g, t;  // lane = 4g + t
+    __device__ __forceinline__ explicit Fragment(int lane) : g(lane / 4), t(lane % 4) {}
+    __device__ __forceinline__ int row(int mt, int h) const { return mt * 16 + g + 8 * h; }
+    __device__ __forceinline__ int col(int nt, int e) const { return nt * 8 + 2 * t + e; }
+};
+
+// Copies a kRows x head_dim tile (rows row_stride apart, head dim contiguous) into a
+// [kRows][Lt::kStride] shared-memory tile, zero-filling rows >= rows_valid and columns >= head_dim,
+// so that padding adds nothing to a product and no stale value (possibly NaN) meets a zero weight.
+// 16-byte cp.async when the source rows are 16-byte aligned (the caller commits and waits);
+// otherwise (odd head dims or strides) element by element, synchronously.
+template <typename Lt, int kRows>
+__device__ __forceinline__ void load_tile_async(typename Lt::Storage* s_tile, const typename Lt::Storage* g_tile,
+                                                long long row_stride, int rows_valid, int head_dim) {
+    using Storage = typename Lt::Storage;
+    constexpr int kChunksPerRow = Lt::kHeadDim / 8;  // 16-byte chunks
+    constexpr int kChunks = kRows * kChunksPerRow;
+    constexpr int kIters = (kChunks + Lt::kNThreads - 1) / Lt::kNThreads;
+    const bool vectorised =
+        ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 2)) & 15) == 0;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        const int c = threadIdx.x + it * Lt::kNThreads;
+        if (kChunks % Lt::kNThreads != 0 && c >= kChunks) break;
+        const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+        Storage* dst = s_tile + row * Lt::kStride + col;
+        const Storage* src = g_tile + row * row_stride + col;
+        if (vectorised) {
+            const int bytes = row < rows_valid ? max(0, min(16, (head_dim - col) * 2)) : 0;
+            cp_async_16(dst, bytes > 0 ? src : g_tile, bytes);
+        } else {
+            Vec<Storage, 8> x;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) x.x[e] = row < rows_valid && col + e < head_dim ? src[e] : Storage(0);
+            *reinterpret_cast<Vec<Storage, 8>*>(dst) = x;
+        }
+    }
+}
+
+// C += A B^T, both operands [rows][k] in shared memory (k contiguous): S = Q K^T and its kin.
+// sA: the warp's first row of A; sB: the first row of B; k runs over 16·kKSteps.
+template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB, typename Storage>
+__device__ __forceinline__ void gemm_abt_ss(float (&C)[kMTiles][kNTiles][4], const Storage* sA, const Storage* sB,
+                                            int lane) {
+    static_assert(kNTiles % 2 == 0, "B is read 16 rows (two n8 tiles) per ldmatrix.x4");
+    const int a_row = lane % 16, a_col = (lane / 16) * 8;
+    const int b_row = (lane / 16) * 8 + lane % 8, b_col = (lane / 8) % 2 * 8;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+        unsigned a[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], sA + (mt * 16 + a_row) * kStrideA + ks * 16 + a_col);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+            unsigned b[4];
+            ldmatrix_x4(b, sB + (np * 16 + b_row) * kStrideB + ks * 16 + b_col);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                Op::run(C[mt][2 * np], a[mt], b[0], b[1]);
+                Op::run(C[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// C += A B with A already in registers as fragments (P_ij or dS_ij, kKSteps k16 steps) and B
+// [k][n] in shared memory (n contiguous, read transposed by ldmatrix): O += P V and its kin.
+// sB: B's first row at the product's first column.
+template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideB, typename Storage>
+__device__ __forceinline__ void gemm_ab_rs(float (&C)[kMTiles][kNTiles][4], const unsigned (&A)[kMTiles][kKSteps][4],
+                                           const Storage* sB, int lane) {
+    static_assert(kNTiles % 2 == 0, "B is read 16 columns (two n8 tiles) per ldmatrix.x4");
+    const int b_row = lane % 16, b_col = (lane / 16) * 8;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, sB + (ks * 16 + b_row) * kStrideB + np * 16 + b_col);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                Op::run(C[mt][2 * np], A[mt][ks], b[0], b[1]);
+                Op::run(C[mt][2 * np + 1], A[mt][ks], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// C += A B with A stored transposed in shared memory ([k][m], m contiguous) and B [k][n]:
+// dQ_i += dS_ij K_j from the dK/dV kernel's dS^T tile. sAt: first k row at the warp's first m column.
+template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB, typename Storage>
+__device__ __forceinline__ void gemm_atb_ss(float (&C)[kMTiles][kNTiles][4], const Storage* sAt, const Storage* sB,
+                                            int lane) {
+    static_assert(kNTiles % 2 == 0, "B is read 16 columns (two n8 tiles) per ldmatrix.x4");
+    const int a_row = lane % 8 + (lane / 16) * 8, a_col = (lane / 8) % 2 * 8;
+    const int b_row = lane % 16, b_col = (lane / 16) * 8;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+        unsigned a[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+            ldmatrix_x4_trans(a[mt], sAt + (ks * 16 + a_row) * kStrideA + mt * 16 + a_col);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, sB + (ks * 16 + b_row) * kStrideB + np * 16 + b_col);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                Op::run(C[mt][2 * np], a[mt], b[0], b[1]);
+                Op::run(C[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Rounds an accumulator tile to 16-bit A fragments: n8 tiles 2kk and 2kk+1 form k16 step kk.
+template <typename Op, int kMTiles, int kNTiles>
+__device__ __forceinline__ void to_a_fragments(const float (&C)[kMTiles][kNTiles][4],
+                                               unsigned (&A)[kMTiles][kNTiles / 2][4]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < kNTiles / 2; ++kk) {
+            A[mt][kk][0] = Op::pack(C[mt][2 * kk][0], C[mt][2 * kk][1]);
+            A[mt][kk][1] = Op::pack(C[mt][2 * kk][2], C[mt][2 * kk][3]);
+            A[mt][kk][2] = Op::pack(C[mt][2 * kk + 1][0], C[mt][2 * kk + 1][1]);
+            A[mt][kk][3] = Op::pack(C[mt][2 * kk + 1][2], C[mt][2 * kk + 1][3]);
+        }
+}
+
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void zero(float (&C)[kMTiles][kNTiles][4]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) C[mt][nt][i] = 0.f;
+}
+
+// The 4 lanes of a fragment row hold its columns; these reduce over them.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, shfl_xor(x, 1));
+    return fmaxf(x, shfl_xor(x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += shfl_xor(x, 1);
+    return x + shfl_xor(x, 2);
+}
+
+// -inf for keys >= seqlen_k and, with causal, keys j > i + (seqlen_k - seqlen_q) (bottom-right
+// aligned). Rows are queries from row0 and columns keys from col0, or with kTransposed (S^T in the
+// dK/dV kernel) rows are keys and columns queries.
+template <bool kIsCausal, bool kTransposed, int kMTiles, int kNTiles>
+__device__ __forceinline__ void mask_fragments(float (&S)[kMTiles][kNTiles][4], int row0, int col0, int seqlen_q,
+                                           int seqlen_k, const Fragment& f) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int row = row0 + f.row(mt, h), col = col0 + f.col(nt, e);
+                    const int query = kTransposed ? col : row, key = kTransposed ? row : col;
+                    if (key >= seqlen_k || (kIsCausal && key > query + seqlen_k - seqlen_q))
+                        S[mt][nt][2 * h + e] = neg_inf<float>();
+                }
+}
+
+// Writes scale · C to a [rows][cols] global tile (row_stride apart, columns contiguous) in the
+// element type; rows >= rows_valid and columns >= cols_valid are padding and are skipped. Pairs of
+// columns go out as one 32-bit store where alignment allows.
+template <typename Element, int kMTiles, int kNTiles>
+__device__ __forceinline__ void store_fragments(typename NumericTraits<Element>::Storage* g_tile, long long row_stride,
+                                                int rows_valid, int cols_valid, const float (&C)[kMTiles][kNTiles][4],
+                                                float scale, const Fragment& f) {
+    using Numeric = NumericTraits<Element>;
+    const bool paired =
+        ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 2)) & 3) == 0;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = f.row(mt, h);
+            if (row >= rows_valid) continue;
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt) {
+                const int col = f.col(nt, 0);
+                const float x0 = C[mt][nt][2 * h] * scale, x1 = C[mt][nt][2 * h + 1] * scale;
+                auto* p = g_tile + row * row_stride + col;
+                if (paired && col + 1 < cols_valid) {
+                    *reinterpret_cast<unsigned*>(p) = Mma<Element>::pack(x0, x1);
+                } else {
+                    if (col < cols_valid) p[0] = Numeric::from_accum(x0);
+                    if (col + 1 < cols_valid) p[1] = Numeric::from_accum(x1);
+                }
+            }
+        }
+}
+
+// g_tile[row][col] += scale · C with float atomics (red.global.add), for the valid rows and columns.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void atomic_add_fragments(float* g_tile, long long row_stride, int rows_valid,
+                                                     int cols_valid, const float (&C)[kMTiles][kNTiles][4],
+                                                     float scale, const Fragment& f) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = f.row(mt, h);
+            if (row >= rows_valid) continue;
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (f.col(nt, e) < cols_valid) atomicAdd(g_tile + row * row_stride + f.col(nt, e), C[mt][nt][2 * h + e] * scale);
+        }
+}
+
+}  // namespace cupyflash

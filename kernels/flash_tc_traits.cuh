@@ -1,0 +1,128 @@
+// Tile shapes of the tensor-core (mma.sync m16n8k16) kernels for float16 / bfloat16.
+// Python (cupyflash/_instantiations.py) chooses the template arguments; everything else is derived
+// here and checked with static_assert.
+//
+// All three kernels share one warp layout: a block's "rows" (queries in the forward and the dQ
+// kernel, keys in the dK/dV kernel) are split evenly over its warps, 16·kMTiles rows per warp, and
+// each warp owns every column of its rows' score tile. Row reductions of the softmax then stay
+// inside the 4 lanes that share a fragment row, and score tiles turn into A operands in registers.
+#pragma once
+#include "mma.cuh"
+
+namespace cupyflash {
+
+__host__ __device__ constexpr int largest_divisor_at_most(int n, int cap) {
+    for (int c = cap; c > 1; --c)
+        if (n % c == 0) return c;
+    return 1;
+}
+
+template <typename Element_, int kHeadDim_, int kRows_, int kNWarps_>
+struct TcWarpLayout {
+    using Element = Element_;
+    using Numeric = NumericTraits<Element>;
+    using Storage = typename Numeric::Storage;
+    using Accum = float;
+    using Op = Mma<Element>;
+
+    static constexpr int kHeadDim = kHeadDim_;  // padded head dim d; columns >= head_dim are zero
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kNThreads = kNWarps * 32;
+    static constexpr int kWarpRows = kRows_ / kNWarps;  // rows of the block's row tile per warp
+    static constexpr int kMTiles = kWarpRows / 16;      // m16 tiles per warp
+    static constexpr int kKSteps = kHeadDim / 16;       // k16 steps of a product over the head dim
+
+    // Shared-memory rows are padded by 16 bytes: a row is then an odd number of 16-byte chunks,
+    // so the 8 rows an ldmatrix phase reads fall in 8 different bank groups (no conflicts), and
+    // every row start stays 16-byte aligned for cp.async.
+    static constexpr int kPad = 8;
+    static constexpr int kStride = kHeadDim + kPad;  // row stride of a [rows][head dim] tile, elements
+
+    static_assert(sizeof(Storage) == 2, "tensor-core kernels take 16-bit elements");
+    static_assert(kRows_ % (16 * kNWarps) == 0, "each warp needs whole m16 tiles of rows");
+    static_assert(kHeadDim % 16 == 0, "the head dim is padded to a multiple of the k16 step");
+};
+
+// Forward: one block per (query block, head, batch). Q_i stays in shared memory; K_j and V_j have
+// one buffer each, and each is loaded while the other is in use (FlashAttention-2's overlap).
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocksPerSm_>
+struct TcFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_> {
+    using Base = TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_>;
+    static constexpr int kBlockM = kBlockM_;  // B_r: queries per block
+    static constexpr int kBlockN = kBlockN_;  // B_c: keys per iteration
+    static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+    static constexpr int kNTiles = kBlockN / 8;  // n8 tiles of S_ij per m16 tile
+
+    static constexpr int kSmemQOffset = 0;  // Storage elements
+    static constexpr int kSmemKOffset = kSmemQOffset + kBlockM * Base::kStride;
+    static constexpr int kSmemVOffset = kSmemKOffset + kBlockN * Base::kStride;
+    static constexpr int kSmemBytes = (kSmemVOffset + kBlockN * Base::kStride) * 2;
+
+    static_assert(kBlockN % 16 == 0, "P_ij feeds P V in k16 steps");
+};
+
+// Backward dK/dV: one block per (key block, output column slice, head, batch). The block's rows are
+// keys: S_ij^T = K_j Q_i^T, so that P^T and dS^T come out as the A operands of dV_j += P^T dO_i and
+// dK_j += dS^T Q_i without leaving registers. dK_j and dV_j are kept for kHeadDim / kOutSplit
+// columns; kOutSplit > 1 recomputes the scores once per slice to bound registers at large d.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kOutSplit_,
+          int kMinBlocksPerSm_>
+struct TcBwdDkdvTraits : TcWarpLayout<Element_, kHeadDim_, kBlockN_, kNWarps_> {
+    using Base = TcWarpLayout<Element_, kHeadDim_, kBlockN_, kNWarps_>;
+    static constexpr int kBlockM = kBlockM_;  // B_r: queries per iteration
+    static constexpr int kBlockN = kBlockN_;  // B_c: keys per block
+    static constexpr int kOutSplit = kOutSplit_;
+    static constexpr int kHeadDimOut = kHeadDim_ / kOutSplit;  // columns of dK_j, dV_j, dQ_i per block
+    static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+    static constexpr int kNTiles = kBlockM / 8;  // n8 tiles of S^T per m16 tile
+
+    // dQ_i += dS_ij K_j (atomic mode) is shared out differently: kDqWarpsM x kDqWarpsN warps over
+    // the kBlockM x kHeadDimOut tile of dQ_i.
+    // Warps left over (when the column pairs do not divide among them) skip the dQ product.
+    static constexpr int kDqWarpsM = kBlockM / 16 < kNWarps_ ? kBlockM / 16 : kNWarps_;
+    static constexpr int kDqWarpsN = largest_divisor_at_most(kHeadDimOut / 16, kNWarps_ / kDqWarpsM);
+    static constexpr int kDqMTiles = kBlockM / 16 / kDqWarpsM;
+    static constexpr int kDqCols = kHeadDimOut / kDqWarpsN;
+    static constexpr int kDsStride = kBlockM + Base::kPad;  // row stride of dS^T [keys][queries]
+
+    // Storage elements: K_j, V_j, two buffers each of Q_i and dO_i, dS_ij^T; then float lse_i·log2(e)
+    // and D_i, two buffers each.
+    static constexpr int kSmemKOffset = 0;
+    static constexpr int kSmemVOffset = kSmemKOffset + kBlockN * Base::kStride;
+    static constexpr int kSmemQOffset = kSmemVOffset + kBlockN * Base::kStride;
+    static constexpr int kSmemDoOffset = kSmemQOffset + 2 * kBlockM * Base::kStride;
+    static constexpr int kSmemDsOffset = kSmemDoOffset + 2 * kBlockM * Base::kStride;
+    static constexpr int kSmemRowStatsOffset = (kSmemDsOffset + kBlockN * kDsStride) * 2;  // bytes
+    static constexpr int kSmemBytes = kSmemRowStatsOffset + 2 * 2 * kBlockM * 4;
+
+    static_assert(kBlockM % 16 == 0, "P^T feeds P^T dO in k16 steps");
+    static_assert(kHeadDim_ % (16 * kOutSplit) == 0, "output slices are whole n16 column pairs");
+    static_assert(kBlockM % (16 * kDqWarpsM) == 0, "warps must tile dQ_i's rows in m16 tiles");
+    static_assert(kSmemRowStatsOffset % 16 == 0, "row statistics start 16-byte aligned");
+};
+
+// Backward dQ (deterministic mode): one block per (query block, output column slice, head, batch),
+// FlashAttention-2's forward shape. K_j and V_j are double-buffered.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kOutSplit_,
+          int kMinBlocksPerSm_>
+struct TcBwdDqTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_> {
+    using Base = TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_>;
+    static constexpr int kBlockM = kBlockM_;  // B_r: queries per block
+    static constexpr int kBlockN = kBlockN_;  // B_c: keys per iteration
+    static constexpr int kOutSplit = kOutSplit_;
+    static constexpr int kHeadDimOut = kHeadDim_ / kOutSplit;
+    static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+    static constexpr int kNTiles = kBlockN / 8;
+
+    // Storage elements: Q_i, dO_i, two buffers each of K_j and V_j.
+    static constexpr int kSmemQOffset = 0;
+    static constexpr int kSmemDoOffset = kSmemQOffset + kBlockM * Base::kStride;
+    static constexpr int kSmemKOffset = kSmemDoOffset + kBlockM * Base::kStride;
+    static constexpr int kSmemVOffset = kSmemKOffset + 2 * kBlockN * Base::kStride;
+    static constexpr int kSmemBytes = (kSmemVOffset + 2 * kBlockN * Base::kStride) * 2;
+
+    static_assert(kBlockN % 16 == 0, "dS_ij feeds dS K in k16 steps");
+    static_assert(kHeadDim_ % (16 * kOutSplit) == 0, "output slices are whole n16 column pairs");
+};
+
+}  // namespace cupyflash

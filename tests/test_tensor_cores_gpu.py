@@ -1,0 +1,116 @@
+"""The tensor-core (mma.sync) kernels: that 16-bit attention takes them, every padded head dim
+and both tile-load paths (cp.async and element-wise) against the float64 reference, and the
+scalar 16-bit kernels kept as the baseline. The awkward grids of test_attention_gpu.py and
+test_backward_gpu.py run the tensor-core path too for float16/bfloat16. Marker `gpu`."""
+
+import numpy
+import pytest
+
+import cupyflash
+from cupyflash import _attention, _instantiations as inst, _validation
+from shapes import numpy_dtype, random_qkv
+from test_attention_gpu import assert_matches_reference
+from test_backward_gpu import assert_gradients_match_reference
+
+pytestmark = pytest.mark.gpu
+
+TC_DTYPES = list(inst.TENSOR_CORE_DTYPES)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The kernels attention() and attention_backward() launch, in order."""
+    kernels = []
+    real = _attention._launch
+
+    def recording(kernel, device_id, grid, params):
+        kernels.append(kernel)
+        return real(kernel, device_id, grid, params)
+
+    monkeypatch.setattr(_attention, "_launch", recording)
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", inst.DTYPE_NAMES)
+def test_16_bit_dtypes_take_the_tensor_core_kernels(rng, launched, dtype):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 1, 70, 70, 2, 64))
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    cupyflash.attention_backward(out, q, k, v, out, lse)
+    cupyflash.attention_backward(out, q, k, v, out, lse, deterministic=True)
+    tiled = [type(kn).__name__ for kn in launched if not isinstance(kn, inst.BwdRowKernel)]
+    if dtype in TC_DTYPES:
+        assert tiled == ["TcFwdKernel", "TcBwdDkdvKernel", "TcBwdDkdvKernel", "TcBwdDqKernel"]
+    else:  # float32 / float64 stay exact: never TF32 tensor cores
+        assert tiled == ["FwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
+
+
+def _forward_backward(q, k, v, dout, causal, deterministic, tensor_cores):
+    """attention + attention_backward through the launchers, choosing the kernel family."""
+    import cupy
+
+    p = _validation.check_attention_args(q, k, v, causal=causal, scale=None, return_lse=True)
+    out = cupy.full(q.shape, numpy.nan, dtype=numpy.float32).astype(q.dtype)
+    lse = cupy.full((p.batch, p.heads, p.seqlen_q), numpy.nan, dtype=numpy.float32)
+    _attention.launch_forward(q, k, v, out, lse, p, tensor_cores=tensor_cores)
+    pb = _validation.check_backward_args(dout, q, k, v, out, lse, causal=causal, scale=None, deterministic=deterministic)
+    grads = [cupy.full(x.shape, numpy.nan, dtype=numpy.float32).astype(x.dtype) for x in (q, k, v)]
+    _attention.launch_backward(dout, q, k, v, out, lse, *grads, pb, tensor_cores=tensor_cores)
+    return out, lse, grads
+
+
+# One head dim per padded class (16 ... 256), odd ones included: odd head dims and strides take
+# the element-wise tile loader, the others cp.async.
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", [13, 32, 61, 96, 150, 192, 221, 256])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_every_padded_head_dim(rng, dtype, head_dim, deterministic):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 150, 190, 2, head_dim))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, lse, grads = _forward_backward(q, k, v, dout, True, deterministic, tensor_cores=True)
+    assert_matches_reference(q, k, v, out, lse, dtype, True)
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, True)
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_misaligned_base_pointers_take_the_element_wise_loader(rng, dtype):
+    import cupy
+
+    # Offsets of one element: every row start is 2 bytes off 16-byte alignment.
+    dt = numpy_dtype(dtype)
+    buf = cupy.asarray(rng.standard_normal((3, 1, 300 * 2 * 64 + 1)).astype(dt))
+    q, k, v = (buf[i, 0, 1:].reshape(1, 300, 2, 64) for i in range(3))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
+    assert q.data.ptr % 16 != 0
+    out, lse, grads = _forward_backward(q, k, v, dout, False, False, tensor_cores=True)
+    assert_matches_reference(q, k, v, out, lse, dtype, False)
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, False)
+
+
+# The scalar kernels remain the readable baseline for 16-bit inputs (and the path on GPUs older
+# than sm_80): they must stay correct though attention() no longer picks them there.
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_scalar_kernels_still_serve_16_bit(rng, dtype, causal):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 113, 203, 3, 111))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, lse, grads = _forward_backward(q, k, v, dout, causal, False, tensor_cores=False)
+    assert_matches_reference(q, k, v, out, lse, dtype, causal)
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal)
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_long_sequence_against_the_reference(rng, dtype):
+    """Many key blocks and the causal diagonal crossing tiles at a realistic length."""
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 1, 2049, 2049, 1, 128))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, lse, grads = _forward_backward(q, k, v, dout, True, False, tensor_cores=True)
+    assert_matches_reference(q, k, v, out, lse, dtype, True)
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, True)
