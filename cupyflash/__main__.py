@@ -50,6 +50,7 @@ def bench(argv) -> int:
         return 2
     spec = importlib.util.spec_from_file_location("cupyflash_bench", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module.main(argv)
 

@@ -60,21 +60,26 @@ __device__ __forceinline__ void gemm_abt_ss(float (&C)[kMTiles][kNTiles][4], con
     const int b_row = (lane / 16) * 8 + lane % 8, b_col = (lane / 8) % 2 * 8;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-        unsigned a[kMTiles][4];
+        // All of a k-step's fragments are requested before its first mma: one shared-memory
+        // latency per k-step instead of one per fragment.
+        unsigned a[kMTiles][4], b[kNTiles / 2][4];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], sA + (mt * 16 + a_row) * kStrideA + ks * 16 + a_col);
 #pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-            unsigned b[4];
-            ldmatrix_x4(b, sB + (np * 16 + b_row) * kStrideB + ks * 16 + b_col);
+        for (int np = 0; np < kNTiles / 2; ++np) ldmatrix_x4(b[np], sB + (np * 16 + b_row) * kStrideB + ks * 16 + b_col);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np)
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) {
-                Op::run(C[mt][2 * np], a[mt], b[0], b[1]);
-                Op::run(C[mt][2 * np + 1], a[mt], b[2], b[3]);
+                Op::run(C[mt][2 * np], a[mt], b[np][0], b[np][1]);
+                Op::run(C[mt][2 * np + 1], a[mt], b[np][2], b[np][3]);
             }
-        }
     }
 }
+
+// B fragments of a k-step are requested in groups of up to 4 ldmatrix.x4 (16 registers) ahead of
+// their mma, as many as the register budget allows.
+__host__ __device__ constexpr int fragment_group(int pairs) { return pairs % 4 == 0 ? 4 : pairs % 3 == 0 ? 3 : pairs % 2 == 0 ? 2 : 1; }
 
 // C += A B with A already in registers as fragments (P_ij or dS_ij, kKSteps k16 steps) and B
 // [k][n] in shared memory (n contiguous, read transposed by ldmatrix): O += P V and its kin.
@@ -83,18 +88,23 @@ template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideB, type
 __device__ __forceinline__ void gemm_ab_rs(float (&C)[kMTiles][kNTiles][4], const unsigned (&A)[kMTiles][kKSteps][4],
                                            const Storage* sB, int lane) {
     static_assert(kNTiles % 2 == 0, "B is read 16 columns (two n8 tiles) per ldmatrix.x4");
+    constexpr int kGroup = fragment_group(kNTiles / 2);
     const int b_row = lane % 16, b_col = (lane / 16) * 8;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-            unsigned b[4];
-            ldmatrix_x4_trans(b, sB + (ks * 16 + b_row) * kStrideB + np * 16 + b_col);
+        for (int np0 = 0; np0 < kNTiles / 2; np0 += kGroup) {
+            unsigned b[kGroup][4];
 #pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-                Op::run(C[mt][2 * np], A[mt][ks], b[0], b[1]);
-                Op::run(C[mt][2 * np + 1], A[mt][ks], b[2], b[3]);
-            }
+            for (int i = 0; i < kGroup; ++i)
+                ldmatrix_x4_trans(b[i], sB + (ks * 16 + b_row) * kStrideB + (np0 + i) * 16 + b_col);
+#pragma unroll
+            for (int i = 0; i < kGroup; ++i)
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) {
+                    Op::run(C[mt][2 * (np0 + i)], A[mt][ks], b[i][0], b[i][1]);
+                    Op::run(C[mt][2 * (np0 + i) + 1], A[mt][ks], b[i][2], b[i][3]);
+                }
         }
     }
 }
@@ -109,20 +119,20 @@ __device__ __forceinline__ void gemm_atb_ss(float (&C)[kMTiles][kNTiles][4], con
     const int b_row = lane % 16, b_col = (lane / 16) * 8;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-        unsigned a[kMTiles][4];
+        unsigned a[kMTiles][4], b[kNTiles / 2][4];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
             ldmatrix_x4_trans(a[mt], sAt + (ks * 16 + a_row) * kStrideA + mt * 16 + a_col);
 #pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-            unsigned b[4];
-            ldmatrix_x4_trans(b, sB + (ks * 16 + b_row) * kStrideB + np * 16 + b_col);
+        for (int np = 0; np < kNTiles / 2; ++np)
+            ldmatrix_x4_trans(b[np], sB + (ks * 16 + b_row) * kStrideB + np * 16 + b_col);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np)
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) {
-                Op::run(C[mt][2 * np], a[mt], b[0], b[1]);
-                Op::run(C[mt][2 * np + 1], a[mt], b[2], b[3]);
+                Op::run(C[mt][2 * np], a[mt], b[np][0], b[np][1]);
+                Op::run(C[mt][2 * np + 1], a[mt], b[np][2], b[np][3]);
             }
-        }
     }
 }
 
