@@ -61,8 +61,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
         a torch.Tensor / jax.Array for those (sharing memory through DLPack, no copy); other
         DLPack frameworks without a ``from_dlpack`` function get the CuPy array.
 
-    Precision: 16-bit inputs are widened to float32 and every score, probability and
-    accumulation is float32; float32 and float64 compute in their own precision.
+    Precision: float16/bfloat16 run on tensor cores (sm_80 and newer): every product accumulates
+    in float32 and the softmax is float32, with P rounded to the input dtype before P V, as in
+    FlashAttention-2 (GPUs older than sm_80 take the scalar kernels, all float32). float32 and
+    float64 compute in their own precision on CUDA cores (never TF32).
 
     Where it runs: GPU inputs on the device that holds them, on CuPy's current stream
     (``cupy.cuda.get_current_stream()``). Arrays imported through DLPack are ordered after their
@@ -210,8 +212,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, det
     -------
     (dq, dk, dv) with the shapes and dtype of q, k, v, in the caller's array type (as
     `attention`). Rows that see no key get dq = 0 and contribute nothing to dk and dv.
-    Precision: every product and sum is float32 for 16-bit and float32 inputs, float64 for
-    float64; each gradient is rounded once to the input dtype.
+    Precision: every product accumulates in float32 for 16-bit and float32 inputs, float64 for
+    float64; each gradient is rounded once to the input dtype. On tensor cores (16-bit inputs,
+    sm_80+) P and dS are rounded to the input dtype before they enter a product, as in
+    FlashAttention-2.
 
     Where it runs, and what raises, as for `attention`: TypeError/ValueError before any device
     work for bad arguments (dout/out not of q's shape and dtype, lse not of shape
