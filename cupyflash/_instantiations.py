@@ -131,8 +131,14 @@ def _row_stride(dtype_name: str, columns: int) -> int:
 
 def fwd_kernel(dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False):
     """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), else FwdKernel."""
+    _check_tensor_core_dtype(dtype_name, tensor_cores)
     kind = TcFwdKernel if tensor_cores else FwdKernel
     return kind(dtype_name, padded_head_dim(head_dim), bool(causal))
+
+
+def _check_tensor_core_dtype(dtype_name: str, tensor_cores: bool) -> None:
+    if tensor_cores and dtype_name not in ("float16", "bfloat16"):
+        raise ValueError(f"the tensor-core kernels take float16 or bfloat16, not {dtype_name}")
 
 
 def all_fwd_kernels() -> list[FwdKernel]:
@@ -284,6 +290,7 @@ BWD_ROW_STEPS = ("preprocess", "convert_dq")
 def bwd_kernels(dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False):
     """(dK/dV kernel, deterministic dQ kernel) for a problem; with tensor_cores (16-bit dtypes
     only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels."""
+    _check_tensor_core_dtype(dtype_name, tensor_cores)
     d = padded_head_dim(head_dim)
     kinds = (TcBwdDkdvKernel, TcBwdDqKernel) if tensor_cores else (BwdDkdvKernel, BwdDqKernel)
     return tuple(kind(dtype_name, d, bool(causal)) for kind in kinds)

@@ -15,8 +15,12 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy's NVRT
 ARCHS = ["sm_80", "sm_90a"]
 
 
-@pytest.mark.parametrize("source_file", ["flash_fwd.cu", "flash_bwd.cu"])
-@pytest.mark.parametrize("dtype_name", _instantiations.DTYPE_NAMES)
+# One NVRTC program per (source file, dtype), as check-kernels builds them: the scalar kernels for
+# every dtype, the tensor-core kernels for float16 / bfloat16.
+GROUPS = sorted({(k.source_file, k.dtype_name) for k in _instantiations.all_kernels()})
+
+
+@pytest.mark.parametrize("source_file,dtype_name", GROUPS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_instantiation_compiles_without_spills(arch, dtype_name, source_file):
     kernels = [k for k in _instantiations.all_kernels() if k.dtype_name == dtype_name and k.source_file == source_file]
@@ -39,6 +43,9 @@ def test_instantiation_list_covers_every_dtype_head_dim_and_causal_setting():
             for causal in (False, True):
                 assert _instantiations.fwd_kernel(dtype_name, d, causal) in everything
                 assert all(k in everything for k in _instantiations.bwd_kernels(dtype_name, d, causal))
+                if dtype_name in _instantiations.TENSOR_CORE_DTYPES:
+                    assert _instantiations.fwd_kernel(dtype_name, d, causal, True) in everything
+                    assert all(k in everything for k in _instantiations.bwd_kernels(dtype_name, d, causal, True))
         for step in _instantiations.BWD_ROW_STEPS:
             assert _instantiations.BwdRowKernel(step, dtype_name) in everything
     for d in range(1, 257):
@@ -56,9 +63,13 @@ def test_wrong_shared_memory_size_fails_to_compile(monkeypatch):
         _compile.compile_offline([kernel], "sm_80")
 
 
-@pytest.mark.parametrize("kernel_class", [_instantiations.BwdDkdvKernel, _instantiations.BwdDqKernel])
+@pytest.mark.parametrize("kernel_class", [
+    _instantiations.BwdDkdvKernel, _instantiations.BwdDqKernel,
+    _instantiations.TcFwdKernel, _instantiations.TcBwdDkdvKernel, _instantiations.TcBwdDqKernel,
+])
 def test_wrong_backward_shared_memory_size_fails_to_compile(monkeypatch, kernel_class):
-    kernel = kernel_class("float64", 96, True)
+    dtype_name = "float16" if kernel_class.__name__.startswith("Tc") else "float64"
+    kernel = kernel_class(dtype_name, 96, True)
     true_bytes = kernel.smem_bytes
     monkeypatch.setattr(kernel_class, "smem_bytes", property(lambda self: true_bytes - 8))
     with pytest.raises(RuntimeError, match="disagree on shared memory"):
