@@ -323,6 +323,10 @@ def print_table(rows, device):
                     ratio = float(r["median_ms"]) / float(ours["median_ms"])
                     line += f" {r['tflops']:>7}/{ratio:5.2f}x "
             print(line)
+    reasons = {(r["method"], r["note"]) for r in rows if not r["median_ms"]}
+    for method, note in sorted(reasons):  # why a peer shows "-": never dropped silently
+        problems = sum(1 for r in rows if r["method"] == method and r["note"] == note) // 2
+        print(f"# {method} untimed on {problems} problems: {note}")
 
 
 def plot(rows, path, device, matplotlib):

@@ -371,21 +371,28 @@ def _tc_tile_bytes(rows: int, columns: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class TcFwdKernel(_TiledKernel):
-    """kernels/flash_fwd_tc.cu's flash_fwd_tc_kernel: one block per query block."""
+class _TcKernel(_TiledKernel):
+    """What the three tensor-core kernels share: their fields and a tile from their traits table
+    (`tile_table`, a function of the padded head dim) unless overridden."""
 
     dtype_name: str
     head_dim: int  # padded
     causal: bool
-    tile_override: TcTileShape | None = None
+    tile_override: TcTileShape | TcBwdTileShape | None = None  # for tuning; None: the traits table
+
+    @property
+    def tile(self):
+        return self.tile_override or type(self).tile_table(self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class TcFwdKernel(_TcKernel):
+    """kernels/flash_fwd_tc.cu's flash_fwd_tc_kernel: one block per query block."""
 
     source_file = "flash_fwd_tc.cu"
     kernel_name = "flash_fwd_tc_kernel"
     traits_name = "TcFwdTraits"
-
-    @property
-    def tile(self) -> TcTileShape:
-        return self.tile_override or tc_fwd_tile_shape(self.head_dim)
+    tile_table = staticmethod(tc_fwd_tile_shape)
 
     @property
     def smem_bytes(self) -> int:
@@ -398,21 +405,13 @@ class TcFwdKernel(_TiledKernel):
 
 
 @dataclasses.dataclass(frozen=True)
-class TcBwdDkdvKernel(_TiledKernel):
+class TcBwdDkdvKernel(_TcKernel):
     """kernels/flash_bwd_tc.cu's flash_bwd_dkdv_tc_kernel: one block per key block and column slice."""
-
-    dtype_name: str
-    head_dim: int  # padded
-    causal: bool
-    tile_override: TcBwdTileShape | None = None
 
     source_file = "flash_bwd_tc.cu"
     kernel_name = "flash_bwd_dkdv_tc_kernel"
     traits_name = "TcBwdDkdvTraits"
-
-    @property
-    def tile(self) -> TcBwdTileShape:
-        return self.tile_override or tc_dkdv_tile_shape(self.head_dim)
+    tile_table = staticmethod(tc_dkdv_tile_shape)
 
     @property
     def smem_bytes(self) -> int:
@@ -426,21 +425,13 @@ class TcBwdDkdvKernel(_TiledKernel):
 
 
 @dataclasses.dataclass(frozen=True)
-class TcBwdDqKernel(_TiledKernel):
+class TcBwdDqKernel(_TcKernel):
     """kernels/flash_bwd_tc.cu's flash_bwd_dq_tc_kernel (deterministic mode)."""
-
-    dtype_name: str
-    head_dim: int  # padded
-    causal: bool
-    tile_override: TcBwdTileShape | None = None
 
     source_file = "flash_bwd_tc.cu"
     kernel_name = "flash_bwd_dq_tc_kernel"
     traits_name = "TcBwdDqTraits"
-
-    @property
-    def tile(self) -> TcBwdTileShape:
-        return self.tile_override or tc_dq_tile_shape(self.head_dim)
+    tile_table = staticmethod(tc_dq_tile_shape)
 
     @property
     def smem_bytes(self) -> int:

@@ -37,6 +37,17 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// Key blocks of kBlockN that the query rows [row0, row0 + rows_valid) can see: all of them, or with
+// causal those up to the last row's last visible key (row + seqlen_k - seqlen_q); later blocks
+// are skipped entirely.
+template <int kBlockN, bool kIsCausal>
+__device__ __forceinline__ int visible_key_blocks(int row0, int rows_valid, int seqlen_q, int seqlen_k) {
+    const int n_blocks = ceil_div(seqlen_k, kBlockN);
+    if (!kIsCausal) return n_blocks;
+    const int last_key = row0 + rows_valid - 1 + seqlen_k - seqlen_q;
+    return min(n_blocks, last_key < 0 ? 0 : last_key / kBlockN + 1);
+}
+
 // Copies a kRows x head_dim tile from global memory into shared memory, widened to Accum and
 // multiplied by `scale`; rows >= rows_valid and columns >= head_dim become 0, so padding adds
 // nothing to Q K^T and no stale value (possibly NaN) of V meets a zero probability.

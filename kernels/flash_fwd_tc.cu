@@ -98,12 +98,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     const int rows_valid = min(Kt::kBlockM, params.seqlen_q - row0);
     const int warp_row0 = row0 + warp * Kt::kWarpRows;
 
-    // Key blocks this query block can see; with causal, later blocks are skipped entirely.
-    int n_block_max = ceil_div(params.seqlen_k, Kt::kBlockN);
-    if (kIsCausal) {
-        const int last_key = row0 + rows_valid - 1 + params.seqlen_k - params.seqlen_q;
-        n_block_max = min(n_block_max, last_key < 0 ? 0 : last_key / Kt::kBlockN + 1);
-    }
+    const int n_block_max =
+        visible_key_blocks<Kt::kBlockN, kIsCausal>(row0, rows_valid, params.seqlen_q, params.seqlen_k);
 
     const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;

@@ -60,19 +60,25 @@ def _forward_backward(q, k, v, dout, causal, deterministic, tensor_cores):
     return out, lse, grads
 
 
+def check_forward_backward(rng, dtype, shape, causal, deterministic, tensor_cores):
+    """Random q, k, v, dout of shape (batch, seqlen_q, seqlen_k, heads, head_dim) through the
+    chosen kernel family, checked against the float64 reference under the tolerance rule."""
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, *shape))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, lse, grads = _forward_backward(q, k, v, dout, causal, deterministic, tensor_cores)
+    assert_matches_reference(q, k, v, out, lse, dtype, causal)
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal)
+
+
 # One head dim per padded class (16 ... 256), odd ones included: odd head dims and strides take
 # the element-wise tile loader, the others cp.async.
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("head_dim", [13, 32, 61, 96, 150, 192, 221, 256])
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_every_padded_head_dim(rng, dtype, head_dim, deterministic):
-    import cupy
-
-    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 150, 190, 2, head_dim))
-    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
-    out, lse, grads = _forward_backward(q, k, v, dout, True, deterministic, tensor_cores=True)
-    assert_matches_reference(q, k, v, out, lse, dtype, True)
-    assert_gradients_match_reference(dout, q, k, v, grads, dtype, True)
+    check_forward_backward(rng, dtype, (2, 150, 190, 2, head_dim), True, deterministic, tensor_cores=True)
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
@@ -95,22 +101,10 @@ def test_misaligned_base_pointers_take_the_element_wise_loader(rng, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_scalar_kernels_still_serve_16_bit(rng, dtype, causal):
-    import cupy
-
-    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 113, 203, 3, 111))
-    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
-    out, lse, grads = _forward_backward(q, k, v, dout, causal, False, tensor_cores=False)
-    assert_matches_reference(q, k, v, out, lse, dtype, causal)
-    assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal)
+    check_forward_backward(rng, dtype, (2, 113, 203, 3, 111), causal, False, tensor_cores=False)
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_long_sequence_against_the_reference(rng, dtype):
     """Many key blocks and the causal diagonal crossing tiles at a realistic length."""
-    import cupy
-
-    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 1, 2049, 2049, 1, 128))
-    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
-    out, lse, grads = _forward_backward(q, k, v, dout, True, False, tensor_cores=True)
-    assert_matches_reference(q, k, v, out, lse, dtype, True)
-    assert_gradients_match_reference(dout, q, k, v, grads, dtype, True)
+    check_forward_backward(rng, dtype, (1, 2049, 2049, 1, 128), True, False, tensor_cores=True)
