@@ -339,20 +339,18 @@ class TcBwdTileShape:
 # The traits table of the tensor-core kernels, by padded head dim. Every tile fits an A100's
 # 163 KiB of shared memory and compiles without spills (`python -m cupyflash check-kernels`).
 def tc_fwd_tile_shape(padded_head_dim: int) -> TcTileShape:
-    if padded_head_dim <= 32:
+    if padded_head_dim <= 64:
         return TcTileShape(128, 128, num_warps=4, min_blocks_per_sm=1)
-    if padded_head_dim <= 96:
+    if padded_head_dim <= 128:
         return TcTileShape(128, 64, num_warps=4, min_blocks_per_sm=1)
-    if padded_head_dim <= 128:  # (128, 64, 4) times the same on an H100 but spills at sm_80
-        return TcTileShape(128, 32, num_warps=4, min_blocks_per_sm=1)
     return TcTileShape(128, 64, num_warps=8, min_blocks_per_sm=1)
 
 
 def tc_dkdv_tile_shape(padded_head_dim: int) -> TcBwdTileShape:
-    if padded_head_dim <= 96:
-        return TcBwdTileShape(64, 128, num_warps=8, out_split=1, min_blocks_per_sm=1)
+    if padded_head_dim <= 64:
+        return TcBwdTileShape(128, 128, num_warps=8, out_split=1, min_blocks_per_sm=1)
     if padded_head_dim <= 128:
-        return TcBwdTileShape(32, 128, num_warps=8, out_split=1, min_blocks_per_sm=1)
+        return TcBwdTileShape(64, 128, num_warps=8, out_split=1, min_blocks_per_sm=1)
     if padded_head_dim <= 192:
         return TcBwdTileShape(32, 64, num_warps=4, out_split=2, min_blocks_per_sm=1)
     if padded_head_dim <= 224:  # 14 column pairs split only in 2 or 7 slices

@@ -16,8 +16,8 @@ namespace cupyflash {
 // Q_i, dO_i (asynchronously) and lse_i·log2(e), D_i for the kBlockM queries from q_row0. Rows past
 // seqlen_q get lse = +inf, so their P_ij are exactly 0 whatever their (zero) scores.
 template <typename Bt>
-__device__ __forceinline__ void load_query_block(const BwdParams& params, typename Bt::Storage* sQ,
-                                                 typename Bt::Storage* sdO, float* sLse2, float* sD,
+__device__ __forceinline__ void load_query_block(const BwdParams& params, unsigned sQ, unsigned sdO, float* sLse2,
+                                                 float* sD,
                                                  const typename Bt::Storage* q, const typename Bt::Storage* dout,
                                                  const float* lse_log2, const float* d, int q_row0) {
     const int rows_valid = min(Bt::kBlockM, params.seqlen_q - q_row0);
@@ -40,11 +40,11 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     using Op = typename Bt::Op;
     constexpr int kOutTiles = Bt::kHeadDimOut / 8;
     extern __shared__ __align__(16) unsigned char smem[];
-    Storage* sK = reinterpret_cast<Storage*>(smem) + Bt::kSmemKOffset;   // K_j [kBlockN][kStride]
-    Storage* sV = reinterpret_cast<Storage*>(smem) + Bt::kSmemVOffset;   // V_j [kBlockN][kStride]
-    Storage* sQ = reinterpret_cast<Storage*>(smem) + Bt::kSmemQOffset;   // Q_i [2][kBlockM][kStride]
-    Storage* sdO = reinterpret_cast<Storage*>(smem) + Bt::kSmemDoOffset; // dO_i [2][kBlockM][kStride]
-    Storage* sdSt = reinterpret_cast<Storage*>(smem) + Bt::kSmemDsOffset; // dS_ij^T [kBlockN][kDsStride]
+    const unsigned sK = smem_address(smem) + Bt::kSmemKOffset * 2;     // K_j [kBlockN][kStride]
+    const unsigned sV = smem_address(smem) + Bt::kSmemVOffset * 2;     // V_j [kBlockN][kStride]
+    const unsigned sQ = smem_address(smem) + Bt::kSmemQOffset * 2;     // Q_i [2][kBlockM][kStride]
+    const unsigned sdO = smem_address(smem) + Bt::kSmemDoOffset * 2;   // dO_i [2][kBlockM][kStride]
+    const unsigned sdSt = smem_address(smem) + Bt::kSmemDsOffset * 2;  // dS_ij^T [kBlockN][kDsStride]
     float* sLse2 = reinterpret_cast<float*>(smem + Bt::kSmemRowStatsOffset);  // [2][kBlockM]
     float* sD = sLse2 + 2 * Bt::kBlockM;                                      // [2][kBlockM]
 
@@ -85,22 +85,22 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     zero(dV);
     zero(dK);
     const float scale_log2 = static_cast<float>(params.scale_log2);
-    const Storage* sK_warp = sK + warp * Bt::kWarpRows * Bt::kStride;
-    const Storage* sV_warp = sV + warp * Bt::kWarpRows * Bt::kStride;
+    const unsigned sK_warp = sK + warp * Bt::kWarpRows * Bt::kStride * 2;
+    const unsigned sV_warp = sV + warp * Bt::kWarpRows * Bt::kStride * 2;
 
     for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
         const int buf = (m_block - m_block_min) % 2;
         const int q_row0 = m_block * Bt::kBlockM;
-        const Storage* sQ_i = sQ + buf * Bt::kBlockM * Bt::kStride;
-        const Storage* sdO_i = sdO + buf * Bt::kBlockM * Bt::kStride;
+        const unsigned sQ_i = sQ + buf * Bt::kBlockM * Bt::kStride * 2;
+        const unsigned sdO_i = sdO + buf * Bt::kBlockM * Bt::kStride * 2;
         const float* sLse2_i = sLse2 + buf * Bt::kBlockM;
         const float* sD_i = sD + buf * Bt::kBlockM;
         cp_async_wait<0>();
         __syncthreads();  // Q_i, dO_i (and K_j, V_j) have landed; every warp is done with the other buffer and dS^T
         if (m_block + 1 < m_block_max) {
             const int other = 1 - buf;
-            load_query_block<Bt>(params, sQ + other * Bt::kBlockM * Bt::kStride,
-                                 sdO + other * Bt::kBlockM * Bt::kStride, sLse2 + other * Bt::kBlockM,
+            load_query_block<Bt>(params, sQ + other * Bt::kBlockM * Bt::kStride * 2,
+                                 sdO + other * Bt::kBlockM * Bt::kStride * 2, sLse2 + other * Bt::kBlockM,
                                  sD + other * Bt::kBlockM, q, dout, lse_log2, d, q_row0 + Bt::kBlockM);
         }
         cp_async_commit();
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
         // dead before dP^T is formed, which keeps dK_j, dV_j and both score tiles within registers.
         unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4];
         to_a_fragments<Op>(St, Pt);
-        gemm_ab_rs<Op, Bt::kMTiles, kOutTiles, Bt::kNTiles / 2, Bt::kStride>(dV, Pt, sdO_i + col_out0, lane);
+        gemm_ab_rs<Op, Bt::kMTiles, kOutTiles, Bt::kNTiles / 2, Bt::kStride>(dV, Pt, sdO_i + col_out0 * 2, lane);
 
         // dP_ij^T = V_j dO_i^T, then dS_ij^T = P^T ∘ (dP^T - D_i) in place.
         float dPt[Bt::kMTiles][Bt::kNTiles][4];
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
         // dK_j += dS^T Q_i on this block's column slice.
         unsigned dSt[Bt::kMTiles][Bt::kNTiles / 2][4];
         to_a_fragments<Op>(dPt, dSt);
-        gemm_ab_rs<Op, Bt::kMTiles, kOutTiles, Bt::kNTiles / 2, Bt::kStride>(dK, dSt, sQ_i + col_out0, lane);
+        gemm_ab_rs<Op, Bt::kMTiles, kOutTiles, Bt::kNTiles / 2, Bt::kStride>(dK, dSt, sQ_i + col_out0 * 2, lane);
 
         if (params.dq_accum != nullptr) {
             const int wm = warp % Bt::kDqWarpsM, wn = warp / Bt::kDqWarpsM;
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const int row = warp * Bt::kWarpRows + f.row(mt, r % 2), col = kk * 16 + f.col(r / 2, 0);
-                        *reinterpret_cast<unsigned*>(sdSt + row * Bt::kDsStride + col) = dSt[mt][kk][r];
+                        store_shared_4(sdSt + (row * Bt::kDsStride + col) * 2, dSt[mt][kk][r]);
                     }
             __syncthreads();  // dS^T is complete
             if (wn >= Bt::kDqWarpsN) continue;
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                 float dQ[Bt::kDqMTiles][kChunk / 8][4];
                 zero(dQ);
                 gemm_atb_ss<Op, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kDsStride, Bt::kStride>(
-                    dQ, sdSt + wm * Bt::kDqMTiles * 16, sK + dq_col0 + c, lane);
+                    dQ, sdSt + wm * Bt::kDqMTiles * 16 * 2, sK + (dq_col0 + c) * 2, lane);
                 atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c,
                                      dQ, static_cast<float>(params.scale), f);
             }
@@ -207,10 +207,10 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     using Op = typename Dt::Op;
     constexpr int kOutTiles = Dt::kHeadDimOut / 8;
     extern __shared__ __align__(16) unsigned char smem[];
-    Storage* sQ = reinterpret_cast<Storage*>(smem) + Dt::kSmemQOffset;    // Q_i [kBlockM][kStride]
-    Storage* sdO = reinterpret_cast<Storage*>(smem) + Dt::kSmemDoOffset;  // dO_i [kBlockM][kStride]
-    Storage* sK = reinterpret_cast<Storage*>(smem) + Dt::kSmemKOffset;    // K_j [2][kBlockN][kStride]
-    Storage* sV = reinterpret_cast<Storage*>(smem) + Dt::kSmemVOffset;    // V_j [2][kBlockN][kStride]
+    const unsigned sQ = smem_address(smem) + Dt::kSmemQOffset * 2;    // Q_i [kBlockM][kStride]
+    const unsigned sdO = smem_address(smem) + Dt::kSmemDoOffset * 2;  // dO_i [kBlockM][kStride]
+    const unsigned sK = smem_address(smem) + Dt::kSmemKOffset * 2;    // K_j [2][kBlockN][kStride]
+    const unsigned sV = smem_address(smem) + Dt::kSmemVOffset * 2;    // V_j [2][kBlockN][kStride]
 
     const int m_block = blockIdx.x / Dt::kOutSplit;
     const int col_out0 = blockIdx.x % Dt::kOutSplit * Dt::kHeadDimOut;
@@ -260,22 +260,22 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     zero(dQ);
     const float scale_log2 = static_cast<float>(params.scale_log2);
     const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
-    const Storage* sQ_warp = sQ + warp * Dt::kWarpRows * Dt::kStride;
-    const Storage* sdO_warp = sdO + warp * Dt::kWarpRows * Dt::kStride;
+    const unsigned sQ_warp = sQ + warp * Dt::kWarpRows * Dt::kStride * 2;
+    const unsigned sdO_warp = sdO + warp * Dt::kWarpRows * Dt::kStride * 2;
 
     for (int n_block = 0; n_block < n_block_max; ++n_block) {
         const int buf = n_block % 2;
         const int col0 = n_block * Dt::kBlockN;
         const int keys_valid = min(Dt::kBlockN, params.seqlen_k - col0);
-        const Storage* sK_j = sK + buf * Dt::kBlockN * Dt::kStride;
-        const Storage* sV_j = sV + buf * Dt::kBlockN * Dt::kStride;
+        const unsigned sK_j = sK + buf * Dt::kBlockN * Dt::kStride * 2;
+        const unsigned sV_j = sV + buf * Dt::kBlockN * Dt::kStride * 2;
         cp_async_wait<0>();
         __syncthreads();  // K_j, V_j (and Q_i, dO_i) have landed; every warp is done with the other buffers
         if (n_block + 1 < n_block_max) {
             const int next = col0 + Dt::kBlockN, next_valid = min(Dt::kBlockN, params.seqlen_k - next);
-            load_tile_async<Dt, Dt::kBlockN>(sK + (1 - buf) * Dt::kBlockN * Dt::kStride, k + next * params.k_row_stride,
+            load_tile_async<Dt, Dt::kBlockN>(sK + (1 - buf) * Dt::kBlockN * Dt::kStride * 2, k + next * params.k_row_stride,
                                              params.k_row_stride, next_valid, params.head_dim);
-            load_tile_async<Dt, Dt::kBlockN>(sV + (1 - buf) * Dt::kBlockN * Dt::kStride, v + next * params.v_row_stride,
+            load_tile_async<Dt, Dt::kBlockN>(sV + (1 - buf) * Dt::kBlockN * Dt::kStride * 2, v + next * params.v_row_stride,
                                              params.v_row_stride, next_valid, params.head_dim);
         }
         cp_async_commit();
@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
                     }
         unsigned dS[Dt::kMTiles][Dt::kNTiles / 2][4];
         to_a_fragments<Op>(dP, dS);
-        gemm_ab_rs<Op, Dt::kMTiles, kOutTiles, Dt::kNTiles / 2, Dt::kStride>(dQ, dS, sK_j + col_out0, lane);
+        gemm_ab_rs<Op, Dt::kMTiles, kOutTiles, Dt::kNTiles / 2, Dt::kStride>(dQ, dS, sK_j + col_out0 * 2, lane);
     }
     cp_async_wait<0>();
 

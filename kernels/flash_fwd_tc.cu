@@ -87,9 +87,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     using Storage = typename Kt::Storage;
     using Op = typename Kt::Op;
     extern __shared__ __align__(16) unsigned char smem[];
-    Storage* sQ = reinterpret_cast<Storage*>(smem) + Kt::kSmemQOffset;  // Q_i [kBlockM][kStride]
-    Storage* sK = reinterpret_cast<Storage*>(smem) + Kt::kSmemKOffset;  // K_j [kBlockN][kStride]
-    Storage* sV = reinterpret_cast<Storage*>(smem) + Kt::kSmemVOffset;  // V_j [kBlockN][kStride]
+    const unsigned sQ = smem_address(smem) + Kt::kSmemQOffset * 2;  // Q_i [kBlockM][kStride]
+    const unsigned sK = smem_address(smem) + Kt::kSmemKOffset * 2;  // K_j [kBlockN][kStride]
+    const unsigned sV = smem_address(smem) + Kt::kSmemVOffset * 2;  // V_j [kBlockN][kStride]
 
     const int m_block = blockIdx.x, head_idx = blockIdx.y, batch_idx = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         float S[Kt::kMTiles][Kt::kNTiles][4];
         zero(S);
         gemm_abt_ss<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride, Kt::kStride>(
-            S, sQ + warp * Kt::kWarpRows * Kt::kStride, sK, lane);
+            S, sQ + warp * Kt::kWarpRows * Kt::kStride * 2, sK, lane);
         if (keys_valid < Kt::kBlockN || (kIsCausal && col0 + Kt::kBlockN - 1 > first_row_last_key))
             mask_fragments<kIsCausal, false>(S, warp_row0, col0, params.seqlen_q, params.seqlen_k, f);
         online_softmax_tc<Kt>(S, O, m, l, scale_log2);

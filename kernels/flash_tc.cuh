@@ -18,55 +18,73 @@ struct Fragment {
 };
 
 // Copies a kRows x head_dim tile (rows row_stride apart, head dim contiguous) into a
-// [kRows][Lt::kStride] shared-memory tile, zero-filling rows >= rows_valid and columns >= head_dim,
-// so that padding adds nothing to a product and no stale value (possibly NaN) meets a zero weight.
-// 16-byte cp.async when the source rows are 16-byte aligned (the caller commits and waits);
-// otherwise (odd head dims or strides) element by element, synchronously.
+// [kRows][Lt::kStride] shared-memory tile at byte address s_tile, zero-filling rows >= rows_valid
+// and columns >= head_dim, so that padding adds nothing to a product and no stale value (possibly
+// NaN) meets a zero weight. Thread i always moves the 16-byte chunk (row i / chunks-per-row + a
+// multiple of kRowsPerPass, column chunk i % chunks-per-row), so its addresses advance by a fixed
+// step per pass: a 64-bit add, not a recomputation. 16-byte cp.async when the source rows are
+// 16-byte aligned (the caller commits and waits); otherwise (odd head dims or strides) element by
+// element, synchronously. rows_valid >= 1: row 0 is a safe address for the chunks that copy nothing.
 template <typename Lt, int kRows>
-__device__ __forceinline__ void load_tile_async(typename Lt::Storage* s_tile, const typename Lt::Storage* g_tile,
+__device__ __forceinline__ void load_tile_async(unsigned s_tile, const typename Lt::Storage* g_tile,
                                                 long long row_stride, int rows_valid, int head_dim) {
     using Storage = typename Lt::Storage;
-    constexpr int kChunksPerRow = Lt::kHeadDim / 8;  // 16-byte chunks
-    constexpr int kChunks = kRows * kChunksPerRow;
-    constexpr int kIters = (kChunks + Lt::kNThreads - 1) / Lt::kNThreads;
+    constexpr int kChunksPerRow = Lt::kHeadDim / 8;
+    constexpr int kRowsPerPass = Lt::kNThreads / kChunksPerRow;  // threads past a whole row idle
+    constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
+    static_assert(kRowsPerPass > 0, "a block must cover one tile row per pass");
+    const int row = threadIdx.x / kChunksPerRow, col = threadIdx.x % kChunksPerRow * 8;
+    if (Lt::kNThreads % kChunksPerRow != 0 && row >= kRowsPerPass) return;
+    // A chunk wholly past head_dim copies nothing; its address stays inside the row.
+    const int col_bytes = max(0, min(16, (head_dim - col) * 2));
+    const Storage* g = g_tile + row * row_stride + (col_bytes > 0 ? col : 0);
+    const unsigned s = s_tile + (row * Lt::kStride + col) * 2;
+    const long long g_step = kRowsPerPass * row_stride;
+    constexpr unsigned kSStep = kRowsPerPass * Lt::kStride * 2;
     const bool vectorised =
         ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 2)) & 15) == 0;
+    if (vectorised && rows_valid >= kRows) {
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        const int c = threadIdx.x + it * Lt::kNThreads;
-        if (kChunks % Lt::kNThreads != 0 && c >= kChunks) break;
-        const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-        Storage* dst = s_tile + row * Lt::kStride + col;
-        const Storage* src = g_tile + row * row_stride + col;
-        if (vectorised) {
-            const int bytes = row < rows_valid ? max(0, min(16, (head_dim - col) * 2)) : 0;
-            cp_async_16(dst, bytes > 0 ? src : g_tile, bytes);
-        } else {
+        for (int p = 0; p < kPasses; ++p, g += g_step) {
+            if (kRows % kRowsPerPass != 0 && row + p * kRowsPerPass >= kRows) break;
+            cp_async_16(s + p * kSStep, g, col_bytes);
+        }
+    } else if (vectorised) {
+#pragma unroll
+        for (int p = 0; p < kPasses; ++p, g += g_step) {
+            if (kRows % kRowsPerPass != 0 && row + p * kRowsPerPass >= kRows) break;
+            const bool valid = row + p * kRowsPerPass < rows_valid;
+            cp_async_16(s + p * kSStep, valid ? g : g_tile, valid ? col_bytes : 0);
+        }
+    } else {
+#pragma unroll
+        for (int p = 0; p < kPasses; ++p, g += g_step) {
+            if (kRows % kRowsPerPass != 0 && row + p * kRowsPerPass >= kRows) break;
+            const bool valid = row + p * kRowsPerPass < rows_valid;
             Vec<Storage, 8> x;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) x.x[e] = row < rows_valid && col + e < head_dim ? src[e] : Storage(0);
-            *reinterpret_cast<Vec<Storage, 8>*>(dst) = x;
+            for (int e = 0; e < 8; ++e) x.x[e] = valid && col + e < head_dim ? g[e] : Storage(0);
+            store_shared_16(s + p * kSStep, &x);
         }
     }
 }
 
 // C += A B^T, both operands [rows][k] in shared memory (k contiguous): S = Q K^T and its kin.
-// sA: the warp's first row of A; sB: the first row of B; k runs over 16·kKSteps.
-template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB, typename Storage>
-__device__ __forceinline__ void gemm_abt_ss(float (&C)[kMTiles][kNTiles][4], const Storage* sA, const Storage* sB,
-                                            int lane) {
+// sA: byte address of the warp's first row of A; sB: of the first row of B; k runs over 16·kKSteps.
+template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB>
+__device__ __forceinline__ void gemm_abt_ss(float (&C)[kMTiles][kNTiles][4], unsigned sA, unsigned sB, int lane) {
     static_assert(kNTiles % 2 == 0, "B is read 16 rows (two n8 tiles) per ldmatrix.x4");
-    const int a_row = lane % 16, a_col = (lane / 16) * 8;
-    const int b_row = (lane / 16) * 8 + lane % 8, b_col = (lane / 8) % 2 * 8;
+    const unsigned a0 = sA + ((lane % 16) * kStrideA + (lane / 16) * 8) * 2;
+    const unsigned b0 = sB + (((lane / 16) * 8 + lane % 8) * kStrideB + (lane / 8) % 2 * 8) * 2;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
         // All of a k-step's fragments are requested before its first mma: one shared-memory
         // latency per k-step instead of one per fragment.
         unsigned a[kMTiles][4], b[kNTiles / 2][4];
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], sA + (mt * 16 + a_row) * kStrideA + ks * 16 + a_col);
+        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], a0 + (mt * 16 * kStrideA + ks * 16) * 2);
 #pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) ldmatrix_x4(b[np], sB + (np * 16 + b_row) * kStrideB + ks * 16 + b_col);
+        for (int np = 0; np < kNTiles / 2; ++np) ldmatrix_x4(b[np], b0 + (np * 16 * kStrideB + ks * 16) * 2);
 #pragma unroll
         for (int np = 0; np < kNTiles / 2; ++np)
 #pragma unroll
@@ -83,13 +101,13 @@ __host__ __device__ constexpr int fragment_group(int pairs) { return pairs % 4 =
 
 // C += A B with A already in registers as fragments (P_ij or dS_ij, kKSteps k16 steps) and B
 // [k][n] in shared memory (n contiguous, read transposed by ldmatrix): O += P V and its kin.
-// sB: B's first row at the product's first column.
-template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideB, typename Storage>
+// sB: byte address of B's first row at the product's first column.
+template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideB>
 __device__ __forceinline__ void gemm_ab_rs(float (&C)[kMTiles][kNTiles][4], const unsigned (&A)[kMTiles][kKSteps][4],
-                                           const Storage* sB, int lane) {
+                                           unsigned sB, int lane) {
     static_assert(kNTiles % 2 == 0, "B is read 16 columns (two n8 tiles) per ldmatrix.x4");
     constexpr int kGroup = fragment_group(kNTiles / 2);
-    const int b_row = lane % 16, b_col = (lane / 16) * 8;
+    const unsigned b0 = sB + ((lane % 16) * kStrideB + (lane / 16) * 8) * 2;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
@@ -97,7 +115,7 @@ __device__ __forceinline__ void gemm_ab_rs(float (&C)[kMTiles][kNTiles][4], cons
             unsigned b[kGroup][4];
 #pragma unroll
             for (int i = 0; i < kGroup; ++i)
-                ldmatrix_x4_trans(b[i], sB + (ks * 16 + b_row) * kStrideB + (np0 + i) * 16 + b_col);
+                ldmatrix_x4_trans(b[i], b0 + (ks * 16 * kStrideB + (np0 + i) * 16) * 2);
 #pragma unroll
             for (int i = 0; i < kGroup; ++i)
 #pragma unroll
@@ -110,22 +128,20 @@ __device__ __forceinline__ void gemm_ab_rs(float (&C)[kMTiles][kNTiles][4], cons
 }
 
 // C += A B with A stored transposed in shared memory ([k][m], m contiguous) and B [k][n]:
-// dQ_i += dS_ij K_j from the dK/dV kernel's dS^T tile. sAt: first k row at the warp's first m column.
-template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB, typename Storage>
-__device__ __forceinline__ void gemm_atb_ss(float (&C)[kMTiles][kNTiles][4], const Storage* sAt, const Storage* sB,
-                                            int lane) {
+// dQ_i += dS_ij K_j from the dK/dV kernel's dS^T tile. sAt: byte address of the first k row at the
+// warp's first m column.
+template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB>
+__device__ __forceinline__ void gemm_atb_ss(float (&C)[kMTiles][kNTiles][4], unsigned sAt, unsigned sB, int lane) {
     static_assert(kNTiles % 2 == 0, "B is read 16 columns (two n8 tiles) per ldmatrix.x4");
-    const int a_row = lane % 8 + (lane / 16) * 8, a_col = (lane / 8) % 2 * 8;
-    const int b_row = lane % 16, b_col = (lane / 16) * 8;
+    const unsigned a0 = sAt + ((lane % 8 + (lane / 16) * 8) * kStrideA + (lane / 8) % 2 * 8) * 2;
+    const unsigned b0 = sB + ((lane % 16) * kStrideB + (lane / 16) * 8) * 2;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
         unsigned a[kMTiles][4], b[kNTiles / 2][4];
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-            ldmatrix_x4_trans(a[mt], sAt + (ks * 16 + a_row) * kStrideA + mt * 16 + a_col);
+        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4_trans(a[mt], a0 + (ks * 16 * kStrideA + mt * 16) * 2);
 #pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np)
-            ldmatrix_x4_trans(b[np], sB + (ks * 16 + b_row) * kStrideB + np * 16 + b_col);
+        for (int np = 0; np < kNTiles / 2; ++np) ldmatrix_x4_trans(b[np], b0 + (ks * 16 * kStrideB + np * 16) * 2);
 #pragma unroll
         for (int np = 0; np < kNTiles / 2; ++np)
 #pragma unroll

@@ -22,8 +22,8 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
 
 // 16 bytes global -> shared, asynchronously; bytes past src_bytes (0..16) are zero-filled, so
 // padding rows and columns cost no branch. Both addresses must be 16-byte aligned.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src), "r"(src_bytes)
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                  : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -32,17 +32,30 @@ template <int kPending> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Shared memory is addressed by 32-bit shared-window byte addresses, the operand ldmatrix and
+// cp.async take: a kernel converts its tile bases once, and the fixed offsets of fragments within
+// a tile then fold into the instructions' immediate offsets instead of costing an address
+// computation per load.
+__device__ __forceinline__ void store_shared_16(unsigned dst, const void* x) {
+    const uint4 v = *static_cast<const uint4*>(x);
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+__device__ __forceinline__ void store_shared_4(unsigned dst, unsigned x) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst), "r"(x) : "memory");
+}
+
 // Four 8x8 b16 matrices; lanes 8m..8m+7 give the row addresses of matrix m, and each thread gets
 // (row g, cols 2t, 2t+1) of every matrix (with .trans: (rows 2t, 2t+1, col g)).
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row_address) {
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned row_address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(row_address)));
+                 : "r"(row_address));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row_address) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned row_address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(row_address)));
+                 : "r"(row_address));
 }
 
 // mma reads and writes registers only, so its asm is not volatile: the compiler may schedule it
