@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                                   params.head_dim +
                               dq_row0 * dq_row_stride + dq_col0;
             // In column chunks: a whole row slice of dQ_i would sit in registers beside dK_j and dV_j.
-            constexpr int kChunk = Bt::kDqCols % 32 == 0 ? 32 : 16;
+            constexpr int kChunk = Bt::kDqChunk;
 #pragma unroll 1
             for (int c = 0; c < Bt::kDqCols; c += kChunk) {
                 float dQ[Bt::kDqMTiles][kChunk / 8][4];

@@ -77,12 +77,20 @@ struct TcBwdDkdvTraits : TcWarpLayout<Element_, kHeadDim_, kBlockN_, kNWarps_> {
     static constexpr int kNTiles = kBlockM / 8;  // n8 tiles of S^T per m16 tile
 
     // dQ_i += dS_ij K_j (atomic mode) is shared out differently: kDqWarpsM x kDqWarpsN warps over
-    // the kBlockM x kHeadDimOut tile of dQ_i.
-    // Warps left over (when the column pairs do not divide among them) skip the dQ product.
-    static constexpr int kDqWarpsM = kBlockM / 16 < kNWarps_ ? kBlockM / 16 : kNWarps_;
+    // the kBlockM x kHeadDimOut tile of dQ_i, two m16 tiles per warp where the rows allow (each
+    // K_j fragment then feeds two mma). Warps left over (when the column pairs do not divide among
+    // them) skip the dQ product.
+    static constexpr int kDqRowTiles = kBlockM / 16;
+    static constexpr int kDqWarpsM = kDqRowTiles % 2 == 0 ? (kDqRowTiles / 2 < kNWarps_ ? kDqRowTiles / 2 : kNWarps_)
+                                                          : (kDqRowTiles < kNWarps_ ? kDqRowTiles : kNWarps_);
     static constexpr int kDqWarpsN = largest_divisor_at_most(kHeadDimOut / 16, kNWarps_ / kDqWarpsM);
     static constexpr int kDqMTiles = kBlockM / 16 / kDqWarpsM;
     static constexpr int kDqCols = kHeadDimOut / kDqWarpsN;
+    // dQ_i's columns are produced kDqChunk at a time, its accumulators living beside dK_j and dV_j:
+    // 32 columns, or 16 when S^T is wider than 64 queries and leaves fewer registers (ptxas spills
+    // 32 at sm_80 there).
+    static constexpr int kDqChunk = kDqCols % 32 == 0 && kBlockM <= 64 ? 32 : 16;
+    static_assert(kDqCols % kDqChunk == 0, "dQ chunks tile the warp's columns");
     static constexpr int kDsStride = kBlockM + Base::kPad;  // row stride of dS^T [keys][queries]
 
     // Storage elements: K_j, V_j, two buffers each of Q_i and dO_i, dS_ij^T; then float lse_i·log2(e)
