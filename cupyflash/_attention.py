@@ -3,6 +3,8 @@ round trip."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy
 
 from cupyflash import _arrays, _instantiations, _validation, reference
@@ -135,34 +137,53 @@ def _empty(shape, dtype):
     return cupy.empty(shape, dtype=dtype)
 
 
-def _set_strides(params, name: str, x) -> None:
+def _pointer_and_strides(fields: dict, name: str, x) -> None:
     item = x.dtype.itemsize
-    params[f"{name}_batch_stride"] = x.strides[0] // item
-    params[f"{name}_row_stride"] = x.strides[1] // item
-    params[f"{name}_head_stride"] = x.strides[2] // item
+    fields[name] = x.data.ptr
+    fields[f"{name}_batch_stride"] = x.strides[0] // item
+    fields[f"{name}_row_stride"] = x.strides[1] // item
+    fields[f"{name}_head_stride"] = x.strides[2] // item
 
 
-def _set_problem(params, p: _validation.AttentionProblem) -> None:
-    params["heads"] = p.heads
-    params["seqlen_q"] = p.seqlen_q
-    params["seqlen_k"] = p.seqlen_k
-    params["head_dim"] = p.head_dim
-    params["scale_log2"] = p.scale * reference.LOG2E
+def _problem_fields(fields: dict, p: _validation.AttentionProblem) -> None:
+    fields["heads"] = p.heads
+    fields["seqlen_q"] = p.seqlen_q
+    fields["seqlen_k"] = p.seqlen_k
+    fields["head_dim"] = p.head_dim
+    fields["scale_log2"] = p.scale * reference.LOG2E
 
 
-def _launch(kernel, device_id: int, grid, params) -> None:
+def _params(dtype: numpy.dtype, fields: dict) -> numpy.ndarray:
+    """The kernel-argument struct: one record of `dtype`, filled in a single assignment (setting
+    fields one at a time costs microseconds each, and this runs on every call)."""
+    params = numpy.empty(1, dtype=dtype)
+    params[0] = tuple(fields[name] for name in dtype.names)
+    return params
+
+
+def _launch(kernel, device_id: int, grid, params: numpy.ndarray) -> None:
+    import cupy.cuda.function
+
     from cupyflash import _compile
 
     function = _compile.get_function(kernel, device_id)  # raises ValueError if it cannot fit
-    function(grid, (kernel.num_threads,), (params,), shared_mem=kernel.smem_bytes)
+    # The struct goes by address: CuPy's by-value path for a NumPy record rebuilds its
+    # __array_interface__ (the whole field description) on every launch, about 50 us for BwdParams.
+    # `params` outlives the call, and the launch copies the bytes.
+    argument = cupy.cuda.function.CPointer(params.ctypes.data)
+    function(grid, (kernel.num_threads,), (argument,), shared_mem=kernel.smem_bytes)
+
+
+@functools.cache
+def _compute_capability(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability)
 
 
 def tensor_cores_for(p: _validation.AttentionProblem, device_id: int) -> bool:
     """Whether the problem takes the tensor-core kernels on this device (16-bit, sm_80 or newer)."""
-    import cupy
-
-    capability = int(cupy.cuda.Device(device_id).compute_capability)
-    return _instantiations.uses_tensor_cores(p.dtype_name, capability)
+    return _instantiations.uses_tensor_cores(p.dtype_name, _compute_capability(device_id))
 
 
 def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=None, tensor_cores=None) -> None:
@@ -173,12 +194,11 @@ def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=No
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, q.device.id)
     kernel = kernel or _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.causal, tensor_cores)
-    params = numpy.zeros(1, dtype=_instantiations.FWD_PARAMS_DTYPE)
+    fields = {"lse": lse.data.ptr}
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
-        params[name] = x.data.ptr
-        _set_strides(params, name, x)
-    params["lse"] = lse.data.ptr
-    _set_problem(params, p)
+        _pointer_and_strides(fields, name, x)
+    _problem_fields(fields, p)
+    params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
     _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params)
 
 
@@ -280,18 +300,14 @@ def launch_backward(
     d = cupy.empty((p.batch, p.heads, p.seqlen_q), accum)
     dq_accum = None if p.deterministic else cupy.zeros((p.batch, p.seqlen_q, p.heads, p.head_dim), accum)
 
-    params = numpy.zeros(1, dtype=_instantiations.BWD_PARAMS_DTYPE)
+    fields = {"lse": lse.data.ptr, "lse_log2": lse_log2.data.ptr, "d": d.data.ptr, "scale": p.scale}
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
-        params[name] = x.data.ptr
-        _set_strides(params, name, x)
-    params["lse"] = lse.data.ptr
+        _pointer_and_strides(fields, name, x)
     for axis, name in enumerate(("batch", "head", "row")):
-        params[f"lse_{name}_stride"] = lse.strides[axis] // lse.dtype.itemsize
-    params["lse_log2"] = lse_log2.data.ptr
-    params["d"] = d.data.ptr
-    params["dq_accum"] = 0 if dq_accum is None else dq_accum.data.ptr
-    _set_problem(params, p)
-    params["scale"] = p.scale
+        fields[f"lse_{name}_stride"] = lse.strides[axis] // lse.dtype.itemsize
+    fields["dq_accum"] = 0 if dq_accum is None else dq_accum.data.ptr
+    _problem_fields(fields, p)
+    params = _params(_instantiations.BWD_PARAMS_DTYPE, fields)
 
     def launch(kernel):
         grid = kernel.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k)

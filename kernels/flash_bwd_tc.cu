@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     const unsigned sK = smem_address(smem) + Dt::kSmemKOffset * 2;    // K_j [2][kBlockN][kStride]
     const unsigned sV = smem_address(smem) + Dt::kSmemVOffset * 2;    // V_j [2][kBlockN][kStride]
 
-    const int m_block = blockIdx.x / Dt::kOutSplit;
+    const int m_block = (kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) / Dt::kOutSplit;  // long rows first
     const int col_out0 = blockIdx.x % Dt::kOutSplit * Dt::kHeadDimOut;
     const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

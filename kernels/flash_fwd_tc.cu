@@ -91,7 +91,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     const unsigned sK = smem_address(smem) + Kt::kSmemKOffset * 2;  // K_j [kBlockN][kStride]
     const unsigned sV = smem_address(smem) + Kt::kSmemVOffset * 2;  // V_j [kBlockN][kStride]
 
-    const int m_block = blockIdx.x, head_idx = blockIdx.y, batch_idx = blockIdx.z;
+    // With causal, query blocks further down see more keys; they are started first (the grid
+    // runs in blockIdx order), so the short ones fill in the tail of the launch.
+    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const Fragment f(lane);
     const int row0 = m_block * Kt::kBlockM;
