@@ -119,6 +119,33 @@ def test_in_precision_baseline_is_less_accurate_for_lower_precision(rng):
     assert numpy.abs(wrong - ref).max() > reference.error_bound(ref, lowp, "float16")
 
 
+def test_error_bound_floor_follows_summed_terms_only_for_32_and_64_bit():
+    ref, lowp = numpy.array([0.0, 0.5]), numpy.array([0.0, 0.5])
+    for name in ("float32", "float64"):
+        assert reference.error_bound(ref, lowp, name, magnitude=100.0) == reference.noise_floor(name) * 100.0
+        assert reference.error_bound(ref, lowp, name, magnitude=0.1) == reference.noise_floor(name)  # never below the result's
+    for name in ("float16", "bfloat16"):
+        assert reference.error_bound(ref, lowp, name, magnitude=100.0) == reference.noise_floor(name)
+
+
+def test_gradient_term_magnitudes_brute_force(rng):
+    dout, q, k, v = (rng.standard_normal((1, 5, 2, 3)) for _ in range(4))
+    k, v = k[:, :4], v[:, :4]
+    scale = 0.7
+    got = reference.gradient_term_magnitudes(dout, q, k, v, causal=True, scale=scale)
+    spread, colsum = 0.0, 0.0
+    for h in range(2):
+        s = scale * q[0, :, h] @ k[0, :, h].T
+        s[numpy.triu(numpy.ones((5, 4), bool), 4 - 5 + 1)] = -numpy.inf  # key j > i + (4 - 5) hidden
+        p = numpy.nan_to_num(scipy.special.softmax(s, axis=1))
+        o = p @ v[0, :, h]
+        d = (dout[0, :, h] * o).sum(axis=1)
+        spread = max(spread, (numpy.abs(dout[0, :, h] @ v[0, :, h].T) + numpy.abs(d)[:, None]).max())
+        colsum = max(colsum, p.sum(axis=0).max())
+    want = (scale * spread * numpy.abs(k).max(), scale * spread * numpy.abs(q).max() * colsum, numpy.abs(dout).max() * colsum)
+    numpy.testing.assert_allclose(got, want, rtol=1e-12)
+
+
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_public_attention_falls_back_to_tiled_numpy_without_gpu(rng, dtype):
