@@ -345,7 +345,8 @@ def tc_fwd_tile_shape(padded_head_dim: int) -> TcTileShape:
         return TcTileShape(128, 64, num_warps=4, min_blocks_per_sm=1)
     if padded_head_dim <= 224:
         return TcTileShape(64, 64, num_warps=4, min_blocks_per_sm=1)
-    return TcTileShape(64, 32, num_warps=4, min_blocks_per_sm=1)  # (64, 64) spills with causal
+    # (64, 64, 4) is 11% faster at 256 but spills with causal; (64, 32, 4) fits and is slower.
+    return TcTileShape(128, 64, num_warps=8, min_blocks_per_sm=1)
 
 
 def tc_dkdv_tile_shape(padded_head_dim: int) -> TcBwdTileShape:
