@@ -1,0 +1,63 @@
+"""Host (Python) time per call of attention / attention_backward, a development tool.
+
+    python benchmarks/host_overhead.py
+
+On a tiny problem (batch 1, seqlen 128, 2 heads, head_dim 128, bfloat16) the GPU work is a few
+microseconds, so 2000 back-to-back calls run at the host's pace: the wall time per call is the
+launch overhead (validation, argument packing, kernel launches). PyTorch SDPA's forward on the
+same tensors is printed for scale; with --profile, the top functions of a cProfile run follow.
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import numpy
+
+
+def main(argv=None):
+    import cupy
+
+    import cupyflash
+    from cupyflash._validation import BFLOAT16
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    rs = cupy.random.default_rng(0)
+    q, k, v, dout = (rs.standard_normal((1, 128, 2, 128), dtype=numpy.float32).astype(BFLOAT16) for _ in range(4))
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    calls = {
+        "attention": lambda: cupyflash.attention(q, k, v, return_lse=True),
+        "attention_backward": lambda: cupyflash.attention_backward(dout, q, k, v, out, lse),
+    }
+    try:
+        import torch
+
+        qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+        calls["torch sdpa forward"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
+    except ImportError:
+        print("# torch not installed: no SDPA line")
+    for name, fn in calls.items():
+        fn()
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            fn()
+        cupy.cuda.Device().synchronize()
+        print(f"{name:20} {(time.perf_counter() - start) / args.calls * 1e6:7.1f} us per call")
+        if args.profile and not name.startswith("torch"):
+            profile = cProfile.Profile()
+            profile.runcall(lambda: [fn() for _ in range(500)])
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(10)
+            print(text.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
