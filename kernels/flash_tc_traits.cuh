@@ -81,8 +81,9 @@ struct TcBwdDkdvTraits : TcWarpLayout<Element_, kHeadDim_, kBlockN_, kNWarps_> {
     // K_j fragment then feeds two mma). Warps left over (when the column pairs do not divide among
     // them) skip the dQ product.
     static constexpr int kDqRowTiles = kBlockM / 16;
-    static constexpr int kDqWarpsM = kDqRowTiles % 2 == 0 ? (kDqRowTiles / 2 < kNWarps_ ? kDqRowTiles / 2 : kNWarps_)
-                                                          : (kDqRowTiles < kNWarps_ ? kDqRowTiles : kNWarps_);
+    static constexpr int kDqTilesWanted = kDqRowTiles % 2 == 0 ? 2 : 1;  // m16 tiles per dQ warp
+    static constexpr int kDqWarpsM =
+        kDqRowTiles / kDqTilesWanted < kNWarps_ ? kDqRowTiles / kDqTilesWanted : kNWarps_;
     static constexpr int kDqWarpsN = largest_divisor_at_most(kHeadDimOut / 16, kNWarps_ / kDqWarpsM);
     static constexpr int kDqMTiles = kBlockM / 16 / kDqWarpsM;
     static constexpr int kDqCols = kHeadDimOut / kDqWarpsN;
