@@ -69,6 +69,20 @@ __device__ __forceinline__ void load_tile_async(unsigned s_tile, const typename 
     }
 }
 
+// One k16 step of a warp tile from fragments already in registers: every A fragment meets every
+// B pair (two n8 tiles per ldmatrix.x4).
+template <typename Op, int kMTiles, int kNTiles>
+__device__ __forceinline__ void mma_k_step(float (&C)[kMTiles][kNTiles][4], const unsigned (&a)[kMTiles][4],
+                                           const unsigned (&b)[kNTiles / 2][4]) {
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np)
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+            Op::run(C[mt][2 * np], a[mt], b[np][0], b[np][1]);
+            Op::run(C[mt][2 * np + 1], a[mt], b[np][2], b[np][3]);
+        }
+}
+
 // C += A B^T, both operands [rows][k] in shared memory (k contiguous): S = Q K^T and its kin.
 // sA: byte address of the warp's first row of A; sB: of the first row of B; k runs over 16·kKSteps.
 template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB>
@@ -85,13 +99,7 @@ __device__ __forceinline__ void gemm_abt_ss(float (&C)[kMTiles][kNTiles][4], uns
         for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], a0 + (mt * 16 * kStrideA + ks * 16) * 2);
 #pragma unroll
         for (int np = 0; np < kNTiles / 2; ++np) ldmatrix_x4(b[np], b0 + (np * 16 * kStrideB + ks * 16) * 2);
-#pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np)
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-                Op::run(C[mt][2 * np], a[mt], b[np][0], b[np][1]);
-                Op::run(C[mt][2 * np + 1], a[mt], b[np][2], b[np][3]);
-            }
+        mma_k_step<Op>(C, a, b);
     }
 }
 
@@ -142,13 +150,7 @@ __device__ __forceinline__ void gemm_atb_ss(float (&C)[kMTiles][kNTiles][4], uns
         for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4_trans(a[mt], a0 + (ks * 16 * kStrideA + mt * 16) * 2);
 #pragma unroll
         for (int np = 0; np < kNTiles / 2; ++np) ldmatrix_x4_trans(b[np], b0 + (ks * 16 * kStrideB + np * 16) * 2);
-#pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np)
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-                Op::run(C[mt][2 * np], a[mt], b[np][0], b[np][1]);
-                Op::run(C[mt][2 * np + 1], a[mt], b[np][2], b[np][3]);
-            }
+        mma_k_step<Op>(C, a, b);
     }
 }
 
