@@ -75,8 +75,8 @@ def error_bound(ref, lowp, dtype_name: str, magnitude: float | None = None) -> f
     (`attention_in_precision`), plus a noise floor of a few units in the last place.
 
     The floor is relative to the result's largest value, or, for float32/float64 when
-    `magnitude` is given, to the size of the largest terms the result is summed from (max |v|
-    for an output, `gradient_term_magnitudes` for gradients). Where those terms cancel (a
+    `magnitude` is given, to the size of the largest terms the result is summed from
+    (`output_term_magnitude` for an output, `gradient_term_magnitudes` for gradients). Where those terms cancel (a
     gradient whose dP - D is nearly 0) the rounding noise follows them, not the small result, and
     a kernel's hardware exp2 (2 ulp) and summation order differ from the baseline's by that much.
     For 16-bit dtypes the baseline's own rounding of P, dP and dS dominates, and the floor stays
@@ -136,6 +136,19 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None):
     """
     p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale)
     return _materialised_backward(dout, q, k, v, p, numpy.float64, None)
+
+
+def output_term_magnitude(q, k, v, *, causal=False, scale=None) -> float:
+    """For `error_bound`: the size an output's rounding noise follows. out_i = sum_j P_ij v_j with
+    P_ij = exp(s_ij - lse_i), and a float type resolves an exponent of size |s| only to about
+    |s|·eps, a relative error every P_ij carries into the sum: max|v| · max(1, max|s_ij|) over the
+    visible scores s = scale·q k^T. Arguments as `attention`."""
+    p, q, k, v = _prepare(q, k, v, causal, scale, False)
+    qh, kh = (x.transpose(0, 2, 1, 3) for x in (q, k))
+    s = numpy.abs(qh @ kh.transpose(0, 1, 3, 2)) * p.scale
+    if p.causal:
+        s = numpy.where(causal_mask(p.seqlen_q, p.seqlen_k), 0.0, s)
+    return float(numpy.abs(v).max(initial=0.0)) * max(1.0, float(s.max(initial=0.0)))
 
 
 def gradient_term_magnitudes(dout, q, k, v, *, causal=False, scale=None) -> tuple[float, float, float]:

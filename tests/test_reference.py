@@ -146,6 +146,20 @@ def test_gradient_term_magnitudes_brute_force(rng):
     numpy.testing.assert_allclose(got, want, rtol=1e-12)
 
 
+def test_output_term_magnitude_brute_force(rng):
+    q, k, v = (rng.standard_normal((1, 5, 2, 3)) for _ in range(3))
+    k, v = k[:, :4], v[:, :4]
+    for factor in (0.01, 30.0):  # scores below 1 leave max|v|; large ones scale it
+        biggest = 0.0
+        for h in range(2):
+            s = numpy.abs(0.7 * factor * q[0, :, h] @ k[0, :, h].T)
+            s[numpy.triu(numpy.ones((5, 4), bool), 4 - 5 + 1)] = 0.0  # key j > i + (4 - 5) hidden
+            biggest = max(biggest, s.max())
+        got = reference.output_term_magnitude(factor * q, k, v, causal=True, scale=0.7)
+        assert got == pytest.approx(numpy.abs(v).max() * max(1.0, biggest), rel=1e-12)
+        assert (got == numpy.abs(v).max()) == (biggest <= 1.0)
+
+
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_public_attention_falls_back_to_tiled_numpy_without_gpu(rng, dtype):
