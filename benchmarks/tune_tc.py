@@ -15,17 +15,17 @@ import sys
 import numpy
 
 from cupyflash import _attention, _instantiations as inst, _validation, standard
-from cupyflash._instantiations import TcBwdTileShape as B, TcTileShape as T
+from cupyflash._instantiations import TcBwdTileShape as B, TcDkdvTileShape as D, TcTileShape as T
 
 FWD = {
     64: [T(128, 64, 4, 1), T(128, 128, 4, 1), T(128, 64, 4, 2), T(64, 64, 4, 2)],
     128: [T(128, 64, 4, 1), T(128, 32, 4, 1), T(128, 64, 8, 1), T(128, 128, 8, 1)],
     256: [T(128, 64, 8, 1), T(64, 64, 4, 1), T(64, 32, 4, 1)],
 }
-DKDV = {
-    64: [B(64, 128, 8, 1, 1), B(32, 128, 8, 1, 1), B(128, 128, 8, 1, 1), B(64, 64, 4, 1, 2)],
-    128: [B(64, 128, 8, 1, 1), B(32, 128, 8, 1, 1), B(64, 64, 4, 1, 1)],
-    256: [B(32, 64, 4, 4, 1), B(16, 64, 4, 2, 1)],
+DKDV = {  # (block_m, block_n, warps, warps_q, do_buffers, out_split, min_blocks); warps_q=1: session 4's layout
+    64: [D(128, 128, 8, 2, 1, 1, 1), D(128, 128, 8, 2, 2, 1, 1), D(64, 128, 8, 2, 2, 1, 1), D(64, 128, 8, 2, 1, 1, 1)],
+    128: [D(64, 128, 8, 2, 1, 1, 1), D(64, 128, 8, 2, 2, 1, 1), D(64, 128, 8, 1, 1, 1, 1)],
+    256: [D(32, 64, 8, 2, 1, 1, 1), D(32, 64, 8, 2, 2, 1, 1), D(64, 64, 8, 2, 1, 1, 1), D(16, 64, 4, 1, 1, 2, 1)],
 }
 DQ = {
     64: [B(128, 64, 8, 1, 1), B(64, 64, 4, 1, 1)],

@@ -181,6 +181,15 @@ def _compute_capability(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).compute_capability)
 
 
+@functools.cache
+def large_shared_memory(device_id: int) -> bool:
+    """Whether the device offers an H100's shared memory per block (the larger dK/dV tiles)."""
+    import cupy
+
+    limit = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    return limit >= _instantiations.SMEM_H100
+
+
 def tensor_cores_for(p: _validation.AttentionProblem, device_id: int) -> bool:
     """Whether the problem takes the tensor-core kernels on this device (16-bit, sm_80 or newer)."""
     return _instantiations.uses_tensor_cores(p.dtype_name, _compute_capability(device_id))
@@ -316,7 +325,9 @@ def launch_backward(
 
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
-    dkdv_kernel, dq_kernel = kernels or _instantiations.bwd_kernels(p.dtype_name, p.head_dim, p.causal, tensor_cores)
+    dkdv_kernel, dq_kernel = kernels or _instantiations.bwd_kernels(
+        p.dtype_name, p.head_dim, p.causal, tensor_cores, large_shared_memory(device_id)
+    )
     launch(_instantiations.BwdRowKernel("preprocess", p.dtype_name))
     launch(dkdv_kernel)
     launch(dq_kernel if p.deterministic else _instantiations.BwdRowKernel("convert_dq", p.dtype_name))

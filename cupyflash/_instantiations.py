@@ -287,13 +287,15 @@ class BwdRowKernel:
 BWD_ROW_STEPS = ("preprocess", "convert_dq")
 
 
-def bwd_kernels(dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False):
+def bwd_kernels(dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False, large_smem: bool = False):
     """(dK/dV kernel, deterministic dQ kernel) for a problem; with tensor_cores (16-bit dtypes
-    only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels."""
+    only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels, its dK/dV tile for
+    an H100's shared memory with large_smem (`tc_dkdv_tile_shape`)."""
     _check_tensor_core_dtype(dtype_name, tensor_cores)
     d = padded_head_dim(head_dim)
-    kinds = (TcBwdDkdvKernel, TcBwdDqKernel) if tensor_cores else (BwdDkdvKernel, BwdDqKernel)
-    return tuple(kind(dtype_name, d, bool(causal)) for kind in kinds)
+    if tensor_cores:
+        return TcBwdDkdvKernel(dtype_name, d, bool(causal), large_smem=large_smem), TcBwdDqKernel(dtype_name, d, bool(causal))
+    return BwdDkdvKernel(dtype_name, d, bool(causal)), BwdDqKernel(dtype_name, d, bool(causal))
 
 
 def all_bwd_kernels() -> list:
@@ -328,6 +330,17 @@ class TcTileShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class TcDkdvTileShape:
+    block_m: int  # B_r, queries per iteration
+    block_n: int  # B_c, keys per block
+    num_warps: int
+    warps_q: int  # the warps form a (num_warps / warps_q) x warps_q grid over keys x queries
+    do_buffers: int  # dO_i double-buffered (2) or reloaded behind one more barrier (1)
+    out_split: int  # column slices of dK, dV, dQ, one per block (bounds registers at large d)
+    min_blocks_per_sm: int
+
+
+@dataclasses.dataclass(frozen=True)
 class TcBwdTileShape:
     block_m: int  # B_r, queries (per iteration in dK/dV, per block in dQ)
     block_n: int  # B_c, keys (per block in dK/dV, per iteration in dQ)
@@ -349,16 +362,26 @@ def tc_fwd_tile_shape(padded_head_dim: int) -> TcTileShape:
     return TcTileShape(128, 64, num_warps=8, min_blocks_per_sm=1)
 
 
-def tc_dkdv_tile_shape(padded_head_dim: int) -> TcBwdTileShape:
+# Opt-in shared memory per block: an A100's (sm_80, the smallest of the tensor-core GPUs the tables
+# are sized for) and an H100's (sm_90). The dK/dV table has larger tiles for the latter.
+SMEM_A100 = 163 * 1024
+SMEM_H100 = 227 * 1024
+
+
+def tc_dkdv_tile_shape(padded_head_dim: int, large_smem: bool = False) -> TcDkdvTileShape:
+    """The dK/dV tile; large_smem: for a device with an H100's shared memory (dO double-buffered,
+    and 64 queries per step above d192), else one that fits an A100."""
+    do_buffers = 2 if large_smem else 1
+    if padded_head_dim <= 16:  # too narrow to split the columns of dK, dV between two warps
+        return TcDkdvTileShape(128, 128, num_warps=8, warps_q=1, do_buffers=1, out_split=1, min_blocks_per_sm=1)
     if padded_head_dim <= 64:
-        return TcBwdTileShape(128, 128, num_warps=8, out_split=1, min_blocks_per_sm=1)
+        return TcDkdvTileShape(128, 128, num_warps=8, warps_q=2, do_buffers=do_buffers, out_split=1, min_blocks_per_sm=1)
     if padded_head_dim <= 128:
-        return TcBwdTileShape(64, 128, num_warps=8, out_split=1, min_blocks_per_sm=1)
+        return TcDkdvTileShape(64, 128, num_warps=8, warps_q=2, do_buffers=do_buffers, out_split=1, min_blocks_per_sm=1)
     if padded_head_dim <= 192:
-        return TcBwdTileShape(32, 64, num_warps=4, out_split=2, min_blocks_per_sm=1)
-    # Above 192, 16 queries per step keep two column slices within the registers: recomputing the
-    # scores for 4 slices (32 queries) ran at 2/3 the speed.
-    return TcBwdTileShape(16, 64, num_warps=4, out_split=2, min_blocks_per_sm=1)
+        return TcDkdvTileShape(64, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=1, min_blocks_per_sm=1)
+    block_m = 64 if large_smem else 32
+    return TcDkdvTileShape(block_m, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=1, min_blocks_per_sm=1)
 
 
 def tc_dq_tile_shape(padded_head_dim: int) -> TcBwdTileShape:
@@ -379,7 +402,7 @@ class _TcKernel(_TiledKernel):
     dtype_name: str
     head_dim: int  # padded
     causal: bool
-    tile_override: TcTileShape | TcBwdTileShape | None = None  # for tuning; None: the traits table
+    tile_override: TcTileShape | TcDkdvTileShape | TcBwdTileShape | None = None  # for tuning; None: the traits table
 
     @property
     def tile(self):
@@ -405,20 +428,34 @@ class TcFwdKernel(_TcKernel):
         return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TcBwdDkdvKernel(_TcKernel):
-    """kernels/flash_bwd_tc.cu's flash_bwd_dkdv_tc_kernel: one block per key block and column slice."""
+    """kernels/flash_bwd_tc.cu's flash_bwd_dkdv_tc_kernel: one block per key block and column slice.
+    large_smem picks the traits table's tiles for an H100's shared memory. Two of these are equal
+    when they are the same instantiation (the tables agree at most head dims)."""
+
+    large_smem: bool = False
 
     source_file = "flash_bwd_tc.cu"
     kernel_name = "flash_bwd_dkdv_tc_kernel"
     traits_name = "TcBwdDkdvTraits"
-    tile_table = staticmethod(tc_dkdv_tile_shape)
+
+    @property
+    def tile(self) -> TcDkdvTileShape:
+        return self.tile_override or tc_dkdv_tile_shape(self.head_dim, self.large_smem)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.name_expression == self.name_expression
+
+    def __hash__(self) -> int:
+        return hash(self.name_expression)
 
     @property
     def smem_bytes(self) -> int:
-        # Mirrors TcBwdDkdvTraits::kSmemBytes: K_j, V_j, 2 x (Q_i, dO_i), dS^T, 2 x (lse_i, D_i).
+        # Mirrors TcBwdDkdvTraits::kSmemBytes: K_j, V_j, 2 x Q_i, do_buffers x dO_i, P^T, dS^T, 2 x (lse_i, D_i).
         t = self.tile
-        tiles = _tc_tile_bytes(2 * t.block_n + 4 * t.block_m, self.head_dim) + _tc_tile_bytes(t.block_n, t.block_m)
+        rows = 2 * t.block_n + (2 + t.do_buffers) * t.block_m
+        tiles = _tc_tile_bytes(rows, self.head_dim) + 2 * _tc_tile_bytes(t.block_n, t.block_m)
         return tiles + 2 * 2 * t.block_m * 4
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
@@ -450,13 +487,16 @@ def uses_tensor_cores(dtype_name: str, compute_capability: int) -> bool:
 
 
 def all_tc_kernels() -> list:
-    return [
+    kernels = [
         kind(dtype_name, d, causal)
         for dtype_name in TENSOR_CORE_DTYPES
         for d in PADDED_HEAD_DIMS
         for causal in (False, True)
         for kind in (TcFwdKernel, TcBwdDkdvKernel, TcBwdDqKernel)
     ]
+    large = [TcBwdDkdvKernel(k.dtype_name, k.head_dim, k.causal, large_smem=True) for k in kernels
+             if isinstance(k, TcBwdDkdvKernel)]
+    return kernels + [k for k in large if k not in kernels]
 
 
 # The host's image of struct FwdParams (kernels/flash_fwd.cuh); align=True gives C's layout.

@@ -1,11 +1,13 @@
 // Attention backward on tensor cores (float16 / bfloat16, sm_80+): FlashAttention-2, Algorithm 2,
 // with mma.sync.m16n8k16 and float32 accumulation. Same schedule as the scalar flash_bwd.cu, whose
 // preprocess (D_i, lse_i·log2(e)) and dQ-conversion kernels it shares:
-//   flash_bwd_dkdv_tc_kernel: one block per key block; its warps own key rows, so
-//     S_ij^T = K_j Q_i^T, P^T = exp2(S^T·scale·log2(e) - lse_i), dP^T = V_j dO_i^T and
-//     dS^T = P^T ∘ (dP^T - D_i) come out with keys as rows and feed dV_j += P^T dO_i and
-//     dK_j += dS^T Q_i straight from registers (rounded to the input type, as FlashAttention-2
-//     does). dQ_i += dS_ij K_j goes through dS^T in shared memory and float32 atomics.
+//   flash_bwd_dkdv_tc_kernel: one block per key block; its warps form a keys x queries grid
+//     (TcBwdDkdvTraits), so S_ij^T = K_j Q_i^T, P^T = exp2(S^T·scale·log2(e) - lse_i),
+//     dP^T = V_j dO_i^T and dS^T = P^T ∘ (dP^T - D_i) come out with keys as rows, as the A operands
+//     of dV_j += P^T dO_i and dK_j += dS^T Q_i (rounded to the input type, as FlashAttention-2
+//     does). A warp's own share of P^T and dS^T feeds those products from registers, the other
+//     warps' shares through shared memory; dQ_i += dS_ij K_j goes through dS^T in shared memory
+//     and float32 atomics.
 //   flash_bwd_dq_tc_kernel (deterministic mode): one block per query block, recomputes P_ij and
 //     dP_ij and sums dQ_i over the key blocks in a fixed order, with no atomics.
 #include "flash_bwd.cuh"
@@ -13,21 +15,65 @@
 
 namespace cupyflash {
 
-// Q_i, dO_i (asynchronously) and lse_i·log2(e), D_i for the kBlockM queries from q_row0. Rows past
+// Q_i (asynchronously) and lse_i·log2(e), D_i for the kBlockM queries from q_row0. Rows past
 // seqlen_q get lse = +inf, so their P_ij are exactly 0 whatever their (zero) scores.
 template <typename Bt>
-__device__ __forceinline__ void load_query_block(const BwdParams& params, unsigned sQ, unsigned sdO, float* sLse2,
-                                                 float* sD,
-                                                 const typename Bt::Storage* q, const typename Bt::Storage* dout,
-                                                 const float* lse_log2, const float* d, int q_row0) {
+__device__ __forceinline__ void load_query_block(const BwdParams& params, unsigned sQ, float* sLse2, float* sD,
+                                                 const typename Bt::Storage* q, const float* lse_log2, const float* d,
+                                                 int q_row0) {
     const int rows_valid = min(Bt::kBlockM, params.seqlen_q - q_row0);
     load_tile_async<Bt, Bt::kBlockM>(sQ, q + q_row0 * params.q_row_stride, params.q_row_stride, rows_valid,
                                      params.head_dim);
-    load_tile_async<Bt, Bt::kBlockM>(sdO, dout + q_row0 * params.dout_row_stride, params.dout_row_stride,
-                                     rows_valid, params.head_dim);
     for (int i = threadIdx.x; i < Bt::kBlockM; i += Bt::kNThreads) {
         sLse2[i] = i < rows_valid ? lse_log2[q_row0 + i] : pos_inf<float>();
         sD[i] = i < rows_valid ? d[q_row0 + i] : 0.f;
+    }
+}
+
+template <typename Bt>
+__device__ __forceinline__ void load_dout_block(const BwdParams& params, unsigned sdO,
+                                                const typename Bt::Storage* dout, int q_row0) {
+    load_tile_async<Bt, Bt::kBlockM>(sdO, dout + q_row0 * params.dout_row_stride, params.dout_row_stride,
+                                     min(Bt::kBlockM, params.seqlen_q - q_row0), params.head_dim);
+}
+
+// C += A^T B over the queries of the other warps in this warp's row of the grid: dV_j += P^T dO_i
+// or dK_j += dS^T Q_i, with A^T the [keys][queries] tile those warps wrote (sAt_warp: at this
+// warp's first key) and B = dO_i or Q_i (sB: its tile).
+template <typename Bt, int kNTiles>
+__device__ __forceinline__ void mma_other_queries(float (&C)[Bt::kMTiles][kNTiles][4], unsigned sAt_warp, unsigned sB,
+                                                  int wq, int warp_cols, int lane) {
+#pragma unroll
+    for (int other = 1; other < Bt::kWarpsQ; ++other) {
+        const int queries = (wq + other) % Bt::kWarpsQ * Bt::kWarpQueries;
+        gemm_ab_ss<typename Bt::Op, Bt::kMTiles, kNTiles, Bt::kWarpQueries / 16, Bt::kPStride, Bt::kStride>(
+            C, sAt_warp + queries * 2, sB + (queries * Bt::kStride + warp_cols) * 2, lane);
+    }
+}
+
+// dQ_i += dS_ij K_j (atomic mode) from dS^T in shared memory: this warp's share of the
+// kBlockM x kHeadDimOut tile (TcBwdDkdvTraits::kDqWarpsM x kDqWarpsN), added to the float32
+// workspace with atomics, kDqChunk columns at a time (a whole row slice of dQ_i would sit in
+// registers beside dK_j and dV_j).
+template <typename Bt>
+__device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned sdSt, unsigned sK, int q_row0,
+                                             int col_out0, int batch_idx, int head_idx, int warp, int lane) {
+    const int wm = warp % Bt::kDqWarpsM, wn = warp / Bt::kDqWarpsM;
+    if (wn >= Bt::kDqWarpsN) return;
+    const int dq_row0 = q_row0 + wm * Bt::kDqMTiles * 16, dq_col0 = col_out0 + wn * Bt::kDqCols;
+    const long long dq_row_stride = static_cast<long long>(params.heads) * params.head_dim;
+    float* dq_accum = static_cast<float*>(params.dq_accum) +
+                      (static_cast<long long>(batch_idx) * params.seqlen_q * params.heads + head_idx) * params.head_dim +
+                      dq_row0 * dq_row_stride + dq_col0;
+    constexpr int kChunk = Bt::kDqChunk;
+#pragma unroll 1
+    for (int c = 0; c < Bt::kDqCols; c += kChunk) {
+        float dQ[Bt::kDqMTiles][kChunk / 8][4];
+        zero(dQ);
+        gemm_atb_ss<typename Bt::Op, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kPStride, Bt::kStride>(
+            dQ, sdSt + wm * Bt::kDqMTiles * 16 * 2, sK + (dq_col0 + c) * 2, lane);
+        atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c, dQ,
+                             static_cast<float>(params.scale), Fragment(lane));
     }
 }
 
@@ -38,13 +84,14 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     flash_bwd_dkdv_tc_kernel(const BwdParams params) {
     using Storage = typename Bt::Storage;
     using Op = typename Bt::Op;
-    constexpr int kOutTiles = Bt::kHeadDimOut / 8;
+    constexpr int kStride = Bt::kStride, kPStride = Bt::kPStride;
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned sK = smem_address(smem) + Bt::kSmemKOffset * 2;     // K_j [kBlockN][kStride]
     const unsigned sV = smem_address(smem) + Bt::kSmemVOffset * 2;     // V_j [kBlockN][kStride]
     const unsigned sQ = smem_address(smem) + Bt::kSmemQOffset * 2;     // Q_i [2][kBlockM][kStride]
-    const unsigned sdO = smem_address(smem) + Bt::kSmemDoOffset * 2;   // dO_i [2][kBlockM][kStride]
-    const unsigned sdSt = smem_address(smem) + Bt::kSmemDsOffset * 2;  // dS_ij^T [kBlockN][kDsStride]
+    const unsigned sdO = smem_address(smem) + Bt::kSmemDoOffset * 2;   // dO_i [kBlockM][kStride]
+    const unsigned sPt = smem_address(smem) + Bt::kSmemPOffset * 2;    // P_ij^T [kBlockN][kPStride]
+    const unsigned sdSt = smem_address(smem) + Bt::kSmemDsOffset * 2;  // dS_ij^T [kBlockN][kPStride]
     float* sLse2 = reinterpret_cast<float*>(smem + Bt::kSmemRowStatsOffset);  // [2][kBlockM]
     float* sD = sLse2 + 2 * Bt::kBlockM;                                      // [2][kBlockM]
 
@@ -53,9 +100,13 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const Fragment f(lane);
+    // Warp (wk, wq): S^T rows warp_keys.., columns warp_queries.. (both local to the block);
+    // dK_j and dV_j rows warp_keys.., head-dim columns warp_cols.. (global).
+    const int wk = warp / Bt::kWarpsQ, wq = warp % Bt::kWarpsQ;
+    const int warp_keys = wk * Bt::kWarpKeys, warp_queries = wq * Bt::kWarpQueries;
+    const int warp_cols = col_out0 + wq * Bt::kWarpCols;
     const int key0 = n_block * Bt::kBlockN;
     const int keys_valid = min(Bt::kBlockN, params.seqlen_k - key0);
-    const int warp_key0 = key0 + warp * Bt::kWarpRows;
 
     // Query blocks that see this key block: with causal, query i sees key j when
     // i >= j - (seqlen_k - seqlen_q); earlier query blocks are skipped.
@@ -75,46 +126,59 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const float* lse_log2 = static_cast<const float*>(params.lse_log2) + row_stats;
     const float* d = static_cast<const float*>(params.d) + row_stats;
 
+    // The query blocks are visited in a rotated order that starts at this key block's index: the
+    // blocks in flight then add into different rows of dQ at a time (atomics on the same
+    // addresses serialise in L2).
+    const int m_blocks = m_block_max - m_block_min;
+    int m_block = m_blocks > 0 ? m_block_min + n_block % m_blocks : 0;
+    const auto after = [&](int m) { return m + 1 < m_block_max ? m + 1 : m_block_min; };
+
     load_tile_async<Bt, Bt::kBlockN>(sK, k, params.k_row_stride, keys_valid, params.head_dim);
     load_tile_async<Bt, Bt::kBlockN>(sV, v, params.v_row_stride, keys_valid, params.head_dim);
-    if (m_block_min < m_block_max)
-        load_query_block<Bt>(params, sQ, sdO, sLse2, sD, q, dout, lse_log2, d, m_block_min * Bt::kBlockM);
+    if (m_blocks > 0) {
+        load_query_block<Bt>(params, sQ, sLse2, sD, q, lse_log2, d, m_block * Bt::kBlockM);
+        load_dout_block<Bt>(params, sdO, dout, m_block * Bt::kBlockM);
+    }
     cp_async_commit();
 
-    float dV[Bt::kMTiles][kOutTiles][4], dK[Bt::kMTiles][kOutTiles][4];
+    float dV[Bt::kMTiles][Bt::kOutTiles][4], dK[Bt::kMTiles][Bt::kOutTiles][4];
     zero(dV);
     zero(dK);
     const float scale_log2 = static_cast<float>(params.scale_log2);
-    const unsigned sK_warp = sK + warp * Bt::kWarpRows * Bt::kStride * 2;
-    const unsigned sV_warp = sV + warp * Bt::kWarpRows * Bt::kStride * 2;
+    const unsigned sK_warp = sK + warp_keys * kStride * 2, sV_warp = sV + warp_keys * kStride * 2;
+    const unsigned sPt_warp = sPt + warp_keys * kPStride * 2, sdSt_warp = sdSt + warp_keys * kPStride * 2;
 
-    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-        const int buf = (m_block - m_block_min) % 2;
+    for (int step = 0; step < m_blocks; ++step, m_block = after(m_block)) {
+        const int buf = step % 2;
         const int q_row0 = m_block * Bt::kBlockM;
-        const unsigned sQ_i = sQ + buf * Bt::kBlockM * Bt::kStride * 2;
-        const unsigned sdO_i = sdO + buf * Bt::kBlockM * Bt::kStride * 2;
+        const bool has_next = step + 1 < m_blocks;
+        const int next_row0 = after(m_block) * Bt::kBlockM;
+        const unsigned sQ_i = sQ + buf * Bt::kBlockM * kStride * 2;
         const float* sLse2_i = sLse2 + buf * Bt::kBlockM;
         const float* sD_i = sD + buf * Bt::kBlockM;
         cp_async_wait<0>();
-        __syncthreads();  // Q_i, dO_i (and K_j, V_j) have landed; every warp is done with the other buffer and dS^T
-        if (m_block + 1 < m_block_max) {
-            const int other = 1 - buf;
-            load_query_block<Bt>(params, sQ + other * Bt::kBlockM * Bt::kStride * 2,
-                                 sdO + other * Bt::kBlockM * Bt::kStride * 2, sLse2 + other * Bt::kBlockM,
-                                 sD + other * Bt::kBlockM, q, dout, lse_log2, d, q_row0 + Bt::kBlockM);
+        __syncthreads();  // Q_i, dO_i have landed; every warp is done with the last step's P^T, dS^T and buffers
+        const unsigned sdO_i = sdO + (Bt::kDoBuffers == 2 ? buf : 0) * Bt::kBlockM * kStride * 2;
+        if (has_next) {
+            load_query_block<Bt>(params, sQ + (1 - buf) * Bt::kBlockM * kStride * 2, sLse2 + (1 - buf) * Bt::kBlockM,
+                                 sD + (1 - buf) * Bt::kBlockM, q, lse_log2, d, next_row0);
+            if (Bt::kDoBuffers == 2)
+                load_dout_block<Bt>(params, sdO + (1 - buf) * Bt::kBlockM * kStride * 2, dout, next_row0);
         }
         cp_async_commit();
 
         // S_ij^T = K_j Q_i^T, masked, then P_ij^T = exp2(S^T·scale·log2(e) - lse_i·log2(e)).
         float St[Bt::kMTiles][Bt::kNTiles][4];
         zero(St);
-        gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, Bt::kStride, Bt::kStride>(St, sK_warp, sQ_i, lane);
+        gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
+            St, sK_warp, sQ_i + warp_queries * kStride * 2, lane);
         if (keys_valid < Bt::kBlockN ||
             (kIsCausal && key0 + Bt::kBlockN - 1 > q_row0 + params.seqlen_k - params.seqlen_q))
-            mask_fragments<kIsCausal, true>(St, warp_key0, q_row0, params.seqlen_q, params.seqlen_k, f);
+            mask_fragments<kIsCausal, true>(St, key0 + warp_keys, q_row0 + warp_queries, params.seqlen_q,
+                                            params.seqlen_k, f);
 #pragma unroll
         for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-            const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + f.col(nt, 0));
+            const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + warp_queries + f.col(nt, 0));
 #pragma unroll
             for (int mt = 0; mt < Bt::kMTiles; ++mt)
 #pragma unroll
@@ -124,20 +188,23 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                 }
         }
 
-        // dV_j += P^T dO_i on this block's column slice. P^T is rounded to the input type first,
-        // as the product takes it, and dS below reuses the rounded values: the fp32 scores are then
-        // dead before dP^T is formed, which keeps dK_j, dV_j and both score tiles within registers.
+        // dV_j += P^T dO_i over this warp's queries. P^T is rounded to the input type first, as the
+        // product takes it, and dS below reuses the rounded values: the fp32 scores are then dead
+        // before dP^T is formed, which keeps dK_j, dV_j and both score tiles within registers.
         unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4];
         to_a_fragments<Op>(St, Pt);
-        gemm_ab_rs<Op, Bt::kMTiles, kOutTiles, Bt::kNTiles / 2, Bt::kStride>(dV, Pt, sdO_i + col_out0 * 2, lane);
+        if (Bt::kWarpsQ > 1) store_a_fragments<kPStride>(sPt_warp + warp_queries * 2, Pt, f);
+        gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
+            dV, Pt, sdO_i + (warp_queries * kStride + warp_cols) * 2, lane);
 
         // dP_ij^T = V_j dO_i^T, then dS_ij^T = P^T ∘ (dP^T - D_i) in place.
         float dPt[Bt::kMTiles][Bt::kNTiles][4];
         zero(dPt);
-        gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, Bt::kStride, Bt::kStride>(dPt, sV_warp, sdO_i, lane);
+        gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
+            dPt, sV_warp, sdO_i + warp_queries * kStride * 2, lane);
 #pragma unroll
         for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-            const float2 d_i = *reinterpret_cast<const float2*>(sD_i + f.col(nt, 0));
+            const float2 d_i = *reinterpret_cast<const float2*>(sD_i + warp_queries + f.col(nt, 0));
 #pragma unroll
             for (int mt = 0; mt < Bt::kMTiles; ++mt)
 #pragma unroll
@@ -149,54 +216,45 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                 }
         }
 
-        // dK_j += dS^T Q_i on this block's column slice.
+        // dK_j += dS^T Q_i over this warp's queries; dS^T also goes to shared memory for dQ_i.
         unsigned dSt[Bt::kMTiles][Bt::kNTiles / 2][4];
         to_a_fragments<Op>(dPt, dSt);
-        gemm_ab_rs<Op, Bt::kMTiles, kOutTiles, Bt::kNTiles / 2, Bt::kStride>(dK, dSt, sQ_i + col_out0 * 2, lane);
+        store_a_fragments<kPStride>(sdSt_warp + warp_queries * 2, dSt, f);
+        gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
+            dK, dSt, sQ_i + (warp_queries * kStride + warp_cols) * 2, lane);
+        __syncthreads();  // P^T and dS^T are complete
 
-        if (params.dq_accum != nullptr) {
-            const int wm = warp % Bt::kDqWarpsM, wn = warp / Bt::kDqWarpsM;
-            // dS^T to shared memory, so that dQ_i += dS_ij K_j can be shared out by query rows.
-#pragma unroll
-            for (int mt = 0; mt < Bt::kMTiles; ++mt)
-#pragma unroll
-                for (int kk = 0; kk < Bt::kNTiles / 2; ++kk)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int row = warp * Bt::kWarpRows + f.row(mt, r % 2), col = kk * 16 + f.col(r / 2, 0);
-                        store_shared_4(sdSt + (row * Bt::kDsStride + col) * 2, dSt[mt][kk][r]);
-                    }
-            __syncthreads();  // dS^T is complete
-            if (wn >= Bt::kDqWarpsN) continue;
-            const int dq_row0 = q_row0 + wm * Bt::kDqMTiles * 16, dq_col0 = col_out0 + wn * Bt::kDqCols;
-            const long long dq_row_stride = static_cast<long long>(params.heads) * params.head_dim;
-            float* dq_accum = static_cast<float*>(params.dq_accum) +
-                              (static_cast<long long>(batch_idx) * params.seqlen_q * params.heads + head_idx) *
-                                  params.head_dim +
-                              dq_row0 * dq_row_stride + dq_col0;
-            // In column chunks: a whole row slice of dQ_i would sit in registers beside dK_j and dV_j.
-            constexpr int kChunk = Bt::kDqChunk;
-#pragma unroll 1
-            for (int c = 0; c < Bt::kDqCols; c += kChunk) {
-                float dQ[Bt::kDqMTiles][kChunk / 8][4];
-                zero(dQ);
-                gemm_atb_ss<Op, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kDsStride, Bt::kStride>(
-                    dQ, sdSt + wm * Bt::kDqMTiles * 16 * 2, sK + (dq_col0 + c) * 2, lane);
-                atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c,
-                                     dQ, static_cast<float>(params.scale), f);
-            }
+        // dV_j over the other warps' queries; a single dO buffer is then reloaded.
+        if (Bt::kDoBuffers == 1) {
+            mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
+            __syncthreads();  // every warp is done with dO_i
+            if (has_next) load_dout_block<Bt>(params, sdO, dout, next_row0);
+            cp_async_commit();
         }
+
+        // dQ_i += dS_ij K_j, and dV_j (double-buffered dO) and dK_j over the other warps' queries.
+        // Half the warps add their dQ share first, half last (one of the two warps on each of an
+        // SM's four schedulers, warp w and w + 4): the atomics of all warps at once would queue
+        // up in the load/store unit.
+        const bool dq_first = warp % 8 < 4;
+        if (params.dq_accum != nullptr && dq_first)
+            add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, batch_idx, head_idx, warp, lane);
+        if (Bt::kDoBuffers == 2) mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
+        mma_other_queries<Bt>(dK, sdSt_warp, sQ_i, wq, warp_cols, lane);
+        if (params.dq_accum != nullptr && !dq_first)
+            add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, batch_idx, head_idx, warp, lane);
     }
     cp_async_wait<0>();  // nothing may still be landing when the block exits
 
+    const int warp_key0 = key0 + warp_keys;
     Storage* dk = static_cast<Storage*>(params.dk) + batch_idx * params.dk_batch_stride +
-                  head_idx * params.dk_head_stride + warp_key0 * params.dk_row_stride + col_out0;
+                  head_idx * params.dk_head_stride + warp_key0 * params.dk_row_stride + warp_cols;
     Storage* dv = static_cast<Storage*>(params.dv) + batch_idx * params.dv_batch_stride +
-                  head_idx * params.dv_head_stride + warp_key0 * params.dv_row_stride + col_out0;
+                  head_idx * params.dv_head_stride + warp_key0 * params.dv_row_stride + warp_cols;
     store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
-                                          params.head_dim - col_out0, dK, static_cast<float>(params.scale), f);
+                                          params.head_dim - warp_cols, dK, static_cast<float>(params.scale), f);
     store_fragments<typename Bt::Element>(dv, params.dv_row_stride, params.seqlen_k - warp_key0,
-                                          params.head_dim - col_out0, dV, 1.f, f);
+                                          params.head_dim - warp_cols, dV, 1.f, f);
 }
 
 // Grid: (ceil(seqlen_q / kBlockM) · kOutSplit, heads, batch). Block: Dt::kNThreads.

@@ -107,31 +107,60 @@ __device__ __forceinline__ void gemm_abt_ss(float (&C)[kMTiles][kNTiles][4], uns
 // their mma, as many as the register budget allows.
 __host__ __device__ constexpr int fragment_group(int pairs) { return pairs % 4 == 0 ? 4 : pairs % 3 == 0 ? 3 : pairs % 2 == 0 ? 2 : 1; }
 
+// One k16 step of C += A B with B [k][n] in shared memory (n contiguous, read transposed by
+// ldmatrix): b_k is this lane's ldmatrix address in the step's first k row, at the product's first
+// column.
+template <typename Op, int kMTiles, int kNTiles>
+__device__ __forceinline__ void mma_k_step_trans_b(float (&C)[kMTiles][kNTiles][4], const unsigned (&a)[kMTiles][4],
+                                                   unsigned b_k) {
+    static_assert(kNTiles % 2 == 0, "B is read 16 columns (two n8 tiles) per ldmatrix.x4");
+    constexpr int kGroup = fragment_group(kNTiles / 2);
+#pragma unroll
+    for (int np0 = 0; np0 < kNTiles / 2; np0 += kGroup) {
+        unsigned b[kGroup][4];
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) ldmatrix_x4_trans(b[i], b_k + (np0 + i) * 16 * 2);
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i)
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                Op::run(C[mt][2 * (np0 + i)], a[mt], b[i][0], b[i][1]);
+                Op::run(C[mt][2 * (np0 + i) + 1], a[mt], b[i][2], b[i][3]);
+            }
+    }
+}
+
 // C += A B with A already in registers as fragments (P_ij or dS_ij, kKSteps k16 steps) and B
-// [k][n] in shared memory (n contiguous, read transposed by ldmatrix): O += P V and its kin.
-// sB: byte address of B's first row at the product's first column.
+// [k][n] in shared memory (n contiguous): O += P V and its kin. sB: byte address of B's first row
+// at the product's first column.
 template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideB>
 __device__ __forceinline__ void gemm_ab_rs(float (&C)[kMTiles][kNTiles][4], const unsigned (&A)[kMTiles][kKSteps][4],
                                            unsigned sB, int lane) {
-    static_assert(kNTiles % 2 == 0, "B is read 16 columns (two n8 tiles) per ldmatrix.x4");
-    constexpr int kGroup = fragment_group(kNTiles / 2);
     const unsigned b0 = sB + ((lane % 16) * kStrideB + (lane / 16) * 8) * 2;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
+        unsigned a[kMTiles][4];
 #pragma unroll
-        for (int np0 = 0; np0 < kNTiles / 2; np0 += kGroup) {
-            unsigned b[kGroup][4];
+        for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-            for (int i = 0; i < kGroup; ++i)
-                ldmatrix_x4_trans(b[i], b0 + (ks * 16 * kStrideB + (np0 + i) * 16) * 2);
+            for (int r = 0; r < 4; ++r) a[mt][r] = A[mt][ks][r];
+        mma_k_step_trans_b<Op>(C, a, b0 + ks * 16 * kStrideB * 2);
+    }
+}
+
+// C += A B with A [m][k] (k contiguous) and B [k][n] (n contiguous) both in shared memory:
+// dV_j += P^T dO_i over the queries whose P^T another warp computed. sA: byte address of the
+// warp's first row of A at the product's first k; sB: of B's first k row at its first column.
+template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB>
+__device__ __forceinline__ void gemm_ab_ss(float (&C)[kMTiles][kNTiles][4], unsigned sA, unsigned sB, int lane) {
+    const unsigned a0 = sA + ((lane % 16) * kStrideA + (lane / 16) * 8) * 2;
+    const unsigned b0 = sB + ((lane % 16) * kStrideB + (lane / 16) * 8) * 2;
 #pragma unroll
-            for (int i = 0; i < kGroup; ++i)
+    for (int ks = 0; ks < kKSteps; ++ks) {
+        unsigned a[kMTiles][4];
 #pragma unroll
-                for (int mt = 0; mt < kMTiles; ++mt) {
-                    Op::run(C[mt][2 * (np0 + i)], A[mt][ks], b[i][0], b[i][1]);
-                    Op::run(C[mt][2 * (np0 + i) + 1], A[mt][ks], b[i][2], b[i][3]);
-                }
-        }
+        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], a0 + (mt * 16 * kStrideA + ks * 16) * 2);
+        mma_k_step_trans_b<Op>(C, a, b0 + ks * 16 * kStrideB * 2);
     }
 }
 
@@ -167,6 +196,24 @@ __device__ __forceinline__ void to_a_fragments(const float (&C)[kMTiles][kNTiles
             A[mt][kk][2] = Op::pack(C[mt][2 * kk + 1][0], C[mt][2 * kk + 1][1]);
             A[mt][kk][3] = Op::pack(C[mt][2 * kk + 1][2], C[mt][2 * kk + 1][3]);
         }
+}
+
+// Writes A fragments (a [rows][k] tile such as P^T) to a [rows][k] shared tile with row stride
+// kStride, for other warps to read; s_tile: byte address of the warp's first row and first k.
+// A fragment row holds 4 lanes' consecutive words and the 8 rows of a store phase start
+// kStride·2 bytes apart (an odd number of 16-byte chunks), so the 32 words land in 32 banks.
+template <int kStride, int kMTiles, int kKSteps>
+__device__ __forceinline__ void store_a_fragments(unsigned s_tile, const unsigned (&A)[kMTiles][kKSteps][4],
+                                                  const Fragment& f) {
+    const unsigned s = s_tile + (f.g * kStride + 2 * f.t) * 2;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                // A register r holds row g + 8·(r % 2), columns 2t + 8·(r / 2) of the k16 step.
+                store_shared_4(s + ((mt * 16 + 8 * (r % 2)) * kStride + kk * 16 + 8 * (r / 2)) * 2, A[mt][kk][r]);
 }
 
 template <int kMTiles, int kNTiles>

@@ -2,10 +2,10 @@
 // Python (cupyflash/_instantiations.py) chooses the template arguments; everything else is derived
 // here and checked with static_assert.
 //
-// All three kernels share one warp layout: a block's "rows" (queries in the forward and the dQ
-// kernel, keys in the dK/dV kernel) are split evenly over its warps, 16·kMTiles rows per warp, and
-// each warp owns every column of its rows' score tile. Row reductions of the softmax then stay
-// inside the 4 lanes that share a fragment row, and score tiles turn into A operands in registers.
+// The forward and the dQ kernel split a block's rows (queries) evenly over its warps, 16·kMTiles
+// rows per warp, and each warp owns every column of its rows' score tile: the softmax's row
+// reductions stay inside the 4 lanes that share a fragment row, and score tiles turn into A
+// operands in registers. The dK/dV kernel lays its warps out in two dimensions (its traits say how).
 #pragma once
 #include "mma.cuh"
 
@@ -17,8 +17,10 @@ __host__ __device__ constexpr int largest_divisor_at_most(int n, int cap) {
     return 1;
 }
 
-template <typename Element_, int kHeadDim_, int kRows_, int kNWarps_>
-struct TcWarpLayout {
+// What every tensor-core kernel's tiles share: the element type and the padded shared-memory rows
+// of [rows][head dim] tiles.
+template <typename Element_, int kHeadDim_, int kNWarps_>
+struct TcTileLayout {
     using Element = Element_;
     using Numeric = NumericTraits<Element>;
     using Storage = typename Numeric::Storage;
@@ -28,9 +30,7 @@ struct TcWarpLayout {
     static constexpr int kHeadDim = kHeadDim_;  // padded head dim d; columns >= head_dim are zero
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kNThreads = kNWarps * 32;
-    static constexpr int kWarpRows = kRows_ / kNWarps;  // rows of the block's row tile per warp
-    static constexpr int kMTiles = kWarpRows / 16;      // m16 tiles per warp
-    static constexpr int kKSteps = kHeadDim / 16;       // k16 steps of a product over the head dim
+    static constexpr int kKSteps = kHeadDim / 16;  // k16 steps of a product over the head dim
 
     // Shared-memory rows are padded by 16 bytes: a row is then an odd number of 16-byte chunks,
     // so the 8 rows an ldmatrix phase reads fall in 8 different bank groups (no conflicts), and
@@ -39,8 +39,16 @@ struct TcWarpLayout {
     static constexpr int kStride = kHeadDim + kPad;  // row stride of a [rows][head dim] tile, elements
 
     static_assert(sizeof(Storage) == 2, "tensor-core kernels take 16-bit elements");
-    static_assert(kRows_ % (16 * kNWarps) == 0, "each warp needs whole m16 tiles of rows");
     static_assert(kHeadDim % 16 == 0, "the head dim is padded to a multiple of the k16 step");
+};
+
+// kRows rows split evenly over the warps, whole m16 tiles each.
+template <typename Element_, int kHeadDim_, int kRows_, int kNWarps_>
+struct TcWarpLayout : TcTileLayout<Element_, kHeadDim_, kNWarps_> {
+    static constexpr int kWarpRows = kRows_ / kNWarps_;  // rows of the block's row tile per warp
+    static constexpr int kMTiles = kWarpRows / 16;       // m16 tiles per warp
+
+    static_assert(kRows_ % (16 * kNWarps_) == 0, "each warp needs whole m16 tiles of rows");
 };
 
 // Forward: one block per (query block, head, batch). Q_i stays in shared memory; K_j and V_j have
@@ -61,20 +69,35 @@ struct TcFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_> {
     static_assert(kBlockN % 16 == 0, "P_ij feeds P V in k16 steps");
 };
 
-// Backward dK/dV: one block per (key block, output column slice, head, batch). The block's rows are
-// keys: S_ij^T = K_j Q_i^T, so that P^T and dS^T come out as the A operands of dV_j += P^T dO_i and
-// dK_j += dS^T Q_i without leaving registers. dK_j and dV_j are kept for kHeadDim / kOutSplit
-// columns; kOutSplit > 1 recomputes the scores once per slice to bound registers at large d.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kOutSplit_,
-          int kMinBlocksPerSm_>
-struct TcBwdDkdvTraits : TcWarpLayout<Element_, kHeadDim_, kBlockN_, kNWarps_> {
-    using Base = TcWarpLayout<Element_, kHeadDim_, kBlockN_, kNWarps_>;
+// Backward dK/dV: one block per (key block, output column slice, head, batch). Its rows are keys:
+// S_ij^T = K_j Q_i^T, so that P^T and dS^T come out as A operands of dV_j += P^T dO_i and
+// dK_j += dS^T Q_i. The warps form a kWarpsK x kWarpsQ grid (FlashAttention-2's partition, which
+// feeds more mma per ldmatrix than one warp per key row range): warp (wk, wq) computes S^T and
+// dP^T for keys wk x queries wq and owns dK_j, dV_j for the same keys x column group wq. Its own
+// queries' share of P^T and dS^T feeds dK_j, dV_j from registers; the other kWarpsQ - 1 shares
+// come from the tiles the other warps wrote to shared memory. dK_j and dV_j are kept for
+// kHeadDim / kOutSplit columns; kOutSplit > 1 recomputes the scores once per slice.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsQ_, int kDoBuffers_,
+          int kOutSplit_, int kMinBlocksPerSm_>
+struct TcBwdDkdvTraits : TcTileLayout<Element_, kHeadDim_, kNWarps_> {
+    using Base = TcTileLayout<Element_, kHeadDim_, kNWarps_>;
     static constexpr int kBlockM = kBlockM_;  // B_r: queries per iteration
     static constexpr int kBlockN = kBlockN_;  // B_c: keys per block
     static constexpr int kOutSplit = kOutSplit_;
     static constexpr int kHeadDimOut = kHeadDim_ / kOutSplit;  // columns of dK_j, dV_j, dQ_i per block
     static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
-    static constexpr int kNTiles = kBlockM / 8;  // n8 tiles of S^T per m16 tile
+
+    // dO_i double-buffered (the next one loads during this step) where shared memory allows;
+    // single-buffered, it is reloaded once every warp is done with it, behind one more barrier.
+    static constexpr int kDoBuffers = kDoBuffers_;
+    static constexpr int kWarpsQ = kWarpsQ_;
+    static constexpr int kWarpsK = kNWarps_ / kWarpsQ;
+    static constexpr int kWarpKeys = kBlockN / kWarpsK;  // S^T rows, dK_j and dV_j rows per warp
+    static constexpr int kMTiles = kWarpKeys / 16;
+    static constexpr int kWarpQueries = kBlockM / kWarpsQ;  // S^T columns per warp
+    static constexpr int kNTiles = kWarpQueries / 8;
+    static constexpr int kWarpCols = kHeadDimOut / kWarpsQ;  // dK_j, dV_j columns per warp
+    static constexpr int kOutTiles = kWarpCols / 8;
 
     // dQ_i += dS_ij K_j (atomic mode) is shared out differently: kDqWarpsM x kDqWarpsN warps over
     // the kBlockM x kHeadDimOut tile of dQ_i, two m16 tiles per warp where the rows allow (each
@@ -92,20 +115,24 @@ struct TcBwdDkdvTraits : TcWarpLayout<Element_, kHeadDim_, kBlockN_, kNWarps_> {
     // 32 at sm_80 there).
     static constexpr int kDqChunk = kDqCols % 32 == 0 && kBlockM <= 64 ? 32 : 16;
     static_assert(kDqCols % kDqChunk == 0, "dQ chunks tile the warp's columns");
-    static constexpr int kDsStride = kBlockM + Base::kPad;  // row stride of dS^T [keys][queries]
+    static constexpr int kPStride = kBlockM + Base::kPad;  // row stride of P^T and dS^T [keys][queries]
 
-    // Storage elements: K_j, V_j, two buffers each of Q_i and dO_i, dS_ij^T; then float lse_i·log2(e)
-    // and D_i, two buffers each.
+    // Storage elements: K_j, V_j, two buffers of Q_i (the next one loads during this step),
+    // kDoBuffers of dO_i, P_ij^T, dS_ij^T; then float lse_i·log2(e) and D_i, two buffers each.
     static constexpr int kSmemKOffset = 0;
     static constexpr int kSmemVOffset = kSmemKOffset + kBlockN * Base::kStride;
     static constexpr int kSmemQOffset = kSmemVOffset + kBlockN * Base::kStride;
     static constexpr int kSmemDoOffset = kSmemQOffset + 2 * kBlockM * Base::kStride;
-    static constexpr int kSmemDsOffset = kSmemDoOffset + 2 * kBlockM * Base::kStride;
-    static constexpr int kSmemRowStatsOffset = (kSmemDsOffset + kBlockN * kDsStride) * 2;  // bytes
+    static constexpr int kSmemPOffset = kSmemDoOffset + kDoBuffers * kBlockM * Base::kStride;
+    static constexpr int kSmemDsOffset = kSmemPOffset + kBlockN * kPStride;
+    static constexpr int kSmemRowStatsOffset = (kSmemDsOffset + kBlockN * kPStride) * 2;  // bytes
     static constexpr int kSmemBytes = kSmemRowStatsOffset + 2 * 2 * kBlockM * 4;
 
-    static_assert(kBlockM % 16 == 0, "P^T feeds P^T dO in k16 steps");
-    static_assert(kHeadDim_ % (16 * kOutSplit) == 0, "output slices are whole n16 column pairs");
+    static_assert(kDoBuffers == 1 || kDoBuffers == 2, "dO_i is single- or double-buffered");
+    static_assert(kNWarps_ % kWarpsQ == 0, "the warps form a kWarpsK x kWarpsQ grid");
+    static_assert(kBlockN % (16 * kWarpsK) == 0, "each warp needs whole m16 tiles of keys");
+    static_assert(kBlockM % (16 * kWarpsQ) == 0, "each warp's share of P^T feeds dV in whole k16 steps");
+    static_assert(kHeadDim_ % (16 * kOutSplit * kWarpsQ) == 0, "each warp's columns are whole n16 pairs");
     static_assert(kBlockM % (16 * kDqWarpsM) == 0, "warps must tile dQ_i's rows in m16 tiles");
     static_assert(kSmemRowStatsOffset % 16 == 0, "row statistics start 16-byte aligned");
 };

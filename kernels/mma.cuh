@@ -21,10 +21,17 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
 }
 
 // 16 bytes global -> shared, asynchronously; bytes past src_bytes (0..16) are zero-filled, so
-// padding rows and columns cost no branch. Both addresses must be 16-byte aligned.
+// padding rows and columns cost no branch. Both addresses must be 16-byte aligned. A whole chunk
+// takes the plain form: on an H100 (ncu) the zero-filling one moved 1.5x the L2 sectors and 1.8x
+// the shared-memory wavefronts for the same whole tile rows. The L2::128B hint has L2 fetch whole
+// 128-byte lines, which a tile row's neighbouring chunks then use.
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-                 : "memory");
+    asm volatile(
+        "{\n .reg .pred whole;\n setp.eq.s32 whole, %2, 16;\n"
+        " @whole cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n"
+        " @!whole cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n}\n" ::"r"(dst),
+        "l"(src), "r"(src_bytes)
+        : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most kPending of this thread's committed groups are still in flight.

@@ -30,7 +30,10 @@ def test_every_instantiation_compiles_without_spills(arch, dtype_name, source_fi
     for r in reports:
         assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0 and r.stack_bytes == 0, r
         assert 0 < r.registers <= 255, r
-        assert r.smem_bytes <= 163 * 1024, f"{r.name_expression} does not fit an A100's shared memory"
+    for k, r in zip(sorted(kernels, key=lambda k: k.name_expression), sorted(reports, key=lambda r: r.name_expression)):
+        large = getattr(k, "large_smem", False)
+        limit = _instantiations.SMEM_H100 if large else _instantiations.SMEM_A100
+        assert r.smem_bytes <= limit, f"{r.name_expression} does not fit an {'H100' if large else 'A100'}'s shared memory"
 
 
 def test_instantiation_list_covers_every_dtype_head_dim_and_causal_setting():
@@ -45,7 +48,8 @@ def test_instantiation_list_covers_every_dtype_head_dim_and_causal_setting():
                 assert all(k in everything for k in _instantiations.bwd_kernels(dtype_name, d, causal))
                 if dtype_name in _instantiations.TENSOR_CORE_DTYPES:
                     assert _instantiations.fwd_kernel(dtype_name, d, causal, True) in everything
-                    assert all(k in everything for k in _instantiations.bwd_kernels(dtype_name, d, causal, True))
+                    for large in (False, True):
+                        assert all(k in everything for k in _instantiations.bwd_kernels(dtype_name, d, causal, True, large))
         for step in _instantiations.BWD_ROW_STEPS:
             assert _instantiations.BwdRowKernel(step, dtype_name) in everything
     for d in range(1, 257):

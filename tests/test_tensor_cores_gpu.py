@@ -81,6 +81,21 @@ def test_every_padded_head_dim(rng, dtype, head_dim, deterministic):
     check_forward_backward(rng, dtype, (2, 150, 190, 2, head_dim), True, deterministic, tensor_cores=True)
 
 
+# The dK/dV traits table has tiles for an A100's shared memory and larger ones for an H100's
+# (double-buffered dO; 64 queries per step above d192). Both run here, whichever this GPU picks.
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("large_smem", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_dkdv_tiles_for_both_shared_memory_sizes(rng, monkeypatch, dtype, head_dim, large_smem, causal):
+    import cupy
+
+    if large_smem and cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"] < inst.SMEM_H100:
+        pytest.skip("this GPU has less shared memory per block than an H100")
+    monkeypatch.setattr(_attention, "large_shared_memory", lambda device_id: large_smem)
+    check_forward_backward(rng, dtype, (2, 300, 333, 2, head_dim), causal, False, tensor_cores=True)
+
+
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_misaligned_base_pointers_take_the_element_wise_loader(rng, dtype):
     import cupy
