@@ -46,7 +46,7 @@ __device__ __forceinline__ void mma_other_queries(float (&C)[Bt::kMTiles][kNTile
 #pragma unroll
     for (int other = 1; other < Bt::kWarpsQ; ++other) {
         const int queries = (wq + other) % Bt::kWarpsQ * Bt::kWarpQueries;
-        gemm_ab_ss<typename Bt::Op, Bt::kMTiles, kNTiles, Bt::kWarpQueries / 16, Bt::kPStride, Bt::kStride>(
+        gemm_ab_ss<typename Bt::Op, false, Bt::kMTiles, kNTiles, Bt::kWarpQueries / 16, Bt::kPStride, Bt::kStride>(
             C, sAt_warp + queries * 2, sB + (queries * Bt::kStride + warp_cols) * 2, lane);
     }
 }
@@ -70,7 +70,7 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned s
     for (int c = 0; c < Bt::kDqCols; c += kChunk) {
         float dQ[Bt::kDqMTiles][kChunk / 8][4];
         zero(dQ);
-        gemm_atb_ss<typename Bt::Op, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kPStride, Bt::kStride>(
+        gemm_ab_ss<typename Bt::Op, true, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kPStride, Bt::kStride>(
             dQ, sdSt + wm * Bt::kDqMTiles * 16 * 2, sK + (dq_col0 + c) * 2, lane);
         atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c, dQ,
                              static_cast<float>(params.scale), Fragment(lane));

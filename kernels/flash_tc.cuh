@@ -148,38 +148,27 @@ __device__ __forceinline__ void gemm_ab_rs(float (&C)[kMTiles][kNTiles][4], cons
     }
 }
 
-// C += A B with A [m][k] (k contiguous) and B [k][n] (n contiguous) both in shared memory:
-// dV_j += P^T dO_i over the queries whose P^T another warp computed. sA: byte address of the
-// warp's first row of A at the product's first k; sB: of B's first k row at its first column.
-template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB>
+// C += A B with both operands in shared memory, B [k][n] (n contiguous). A is [m][k] (k
+// contiguous): dV_j += P^T dO_i over the queries whose P^T another warp computed; or, with
+// kATransposed, [k][m] (m contiguous): dQ_i += dS_ij K_j from the dK/dV kernel's dS^T tile.
+// sA: byte address of A's element at the warp's first m and the product's first k; sB: of B's
+// first k row at the product's first column.
+template <typename Op, bool kATransposed, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB>
 __device__ __forceinline__ void gemm_ab_ss(float (&C)[kMTiles][kNTiles][4], unsigned sA, unsigned sB, int lane) {
-    const unsigned a0 = sA + ((lane % 16) * kStrideA + (lane / 16) * 8) * 2;
+    const unsigned a0 = kATransposed ? sA + ((lane % 8 + (lane / 16) * 8) * kStrideA + (lane / 8) % 2 * 8) * 2
+                                     : sA + ((lane % 16) * kStrideA + (lane / 16) * 8) * 2;
     const unsigned b0 = sB + ((lane % 16) * kStrideB + (lane / 16) * 8) * 2;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
         unsigned a[kMTiles][4];
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], a0 + (mt * 16 * kStrideA + ks * 16) * 2);
+        for (int mt = 0; mt < kMTiles; ++mt) {
+            if (kATransposed)
+                ldmatrix_x4_trans(a[mt], a0 + (ks * 16 * kStrideA + mt * 16) * 2);
+            else
+                ldmatrix_x4(a[mt], a0 + (mt * 16 * kStrideA + ks * 16) * 2);
+        }
         mma_k_step_trans_b<Op>(C, a, b0 + ks * 16 * kStrideB * 2);
-    }
-}
-
-// C += A B with A stored transposed in shared memory ([k][m], m contiguous) and B [k][n]:
-// dQ_i += dS_ij K_j from the dK/dV kernel's dS^T tile. sAt: byte address of the first k row at the
-// warp's first m column.
-template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB>
-__device__ __forceinline__ void gemm_atb_ss(float (&C)[kMTiles][kNTiles][4], unsigned sAt, unsigned sB, int lane) {
-    static_assert(kNTiles % 2 == 0, "B is read 16 columns (two n8 tiles) per ldmatrix.x4");
-    const unsigned a0 = sAt + ((lane % 8 + (lane / 16) * 8) * kStrideA + (lane / 8) % 2 * 8) * 2;
-    const unsigned b0 = sB + ((lane % 16) * kStrideB + (lane / 16) * 8) * 2;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-        unsigned a[kMTiles][4], b[kNTiles / 2][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4_trans(a[mt], a0 + (ks * 16 * kStrideA + mt * 16) * 2);
-#pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) ldmatrix_x4_trans(b[np], b0 + (ks * 16 * kStrideB + np * 16) * 2);
-        mma_k_step<Op>(C, a, b);
     }
 }
 
