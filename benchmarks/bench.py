@@ -3,6 +3,7 @@
     python -m cupyflash bench [--dtype bfloat16 --dtype float16] [--head-dim 64 --head-dim 128]
                               [--seqlen 512 ... --seqlen 16384] [--extra-head-dim 32 ...] [--flex]
                               [--out benchmarks/results]
+    python -m cupyflash bench --sparse ...      the block-sparse grid (benchmarks/bench_sparse.py)
 
 The grid is FlashAttention's: batch x seqlen = 16384 tokens, hidden 2048 (heads = 2048 / head_dim),
 causal and not. For each problem, on the same inputs (random normal, never zeros):
@@ -249,20 +250,22 @@ def check(pr, q, k, v, dout, out, grads, peers):
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        import matplotlib
-        from tqdm import tqdm
-    except ImportError as e:
-        raise SystemExit(f"bench needs tqdm and matplotlib: pip install 'cupyflash[bench]' ({e})")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--sparse" in argv:  # the block-sparse grid: benchmarks/bench_sparse.py
+        import importlib.util
+
+        path = pathlib.Path(__file__).resolve().parent / "bench_sparse.py"
+        spec = importlib.util.spec_from_file_location("cupyflash_bench_sparse", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.main([a for a in argv if a != "--sparse"], sys.modules[__name__])
+    args = parse_args(argv)
+    matplotlib, tqdm, device, date, stem = start_run("bench")
     import cupy
 
     import cupyflash
     from cupyflash._validation import BFLOAT16
 
-    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    date = datetime.date.today().isoformat()
-    stem = f"{device.replace('NVIDIA ', '').replace(' ', '-')}-{date}-bench"
     peers = Peers(args.flex)
     rows, failures = [], []
     grid = problems(args)
@@ -305,20 +308,39 @@ def main(argv=None) -> int:
         del q, k, v, dout, out, lse, grads
         cupy.get_default_memory_pool().free_all_blocks()
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path = args.out / f"{stem}.csv"
+    return finish(rows, failures, len(grid), args.out / stem, device, plot, print_table, matplotlib)
+
+
+def start_run(kind: str):
+    """(matplotlib, tqdm, device name, date, file stem "<device>-<date>-<kind>") for a run."""
+    try:
+        import matplotlib
+        from tqdm import tqdm
+    except ImportError as e:
+        raise SystemExit(f"bench needs tqdm and matplotlib: pip install 'cupyflash[bench]' ({e})")
+    import cupy
+
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    date = datetime.date.today().isoformat()
+    return matplotlib, tqdm, device, date, f"{device.replace('NVIDIA ', '').replace(' ', '-')}-{date}-{kind}"
+
+
+def finish(rows, failures, n_problems, stem, device, plot_fn, table_fn, matplotlib) -> int:
+    """Writes <stem>.csv and .png, prints the table last, then the correctness verdict; the exit
+    status is 1 if any problem failed its check."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    csv_path, png_path = (stem.parent / f"{stem.name}.{ext}" for ext in ("csv", "png"))
     with open(csv_path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    png_path = args.out / f"{stem}.png"
-    plot(rows, png_path, device, matplotlib)
-    print_table(rows, device)
+    plot_fn(rows, png_path, device, matplotlib)
+    table_fn(rows, device)
     print(f"# wrote {csv_path} and {png_path}")
     if failures:
         print("# CORRECTNESS FAILURES:\n" + "\n".join(failures))
         return 1
-    print(f"# correctness: all {len(grid)} problems PASS")
+    print(f"# correctness: all {n_problems} problems PASS")
     return 0
 
 

@@ -1,6 +1,7 @@
 """cupyflash: exact FlashAttention for NumPy, CuPy, PyTorch and JAX arrays.
 
-`attention` and `attention_backward` take arrays of any of these frameworks; `cupyflash.torch`
+`attention` and `attention_backward` take arrays of any of these frameworks (and
+`block_sparse_attention` / `block_sparse_attention_backward` with a `BlockMask`); `cupyflash.torch`
 and `cupyflash.jax` wrap them as differentiable functions (torch.autograd / jax.custom_vjp).
 
 Tiled CUDA kernels (kernels/*.cu, compiled at run time through CuPy's NVRTC) compute exact
@@ -9,7 +10,22 @@ float64 definition they are validated against and the tiled CPU fallback.
 """
 
 from cupyflash import reference
-from cupyflash._attention import attention, attention_backward, gpu_available
+from cupyflash._attention import (
+    attention,
+    attention_backward,
+    block_sparse_attention,
+    block_sparse_attention_backward,
+    gpu_available,
+)
+from cupyflash._block_mask import BlockMask
 
-__all__ = ["attention", "attention_backward", "gpu_available", "reference"]
+__all__ = [
+    "BlockMask",
+    "attention",
+    "attention_backward",
+    "block_sparse_attention",
+    "block_sparse_attention_backward",
+    "gpu_available",
+    "reference",
+]
 __version__ = "0.1.0"

@@ -90,6 +90,47 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
+    return _attention(q, k, v, causal, scale, return_lse, None)
+
+
+def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, return_lse=False):
+    """Block-sparse FlashAttention (FlashAttention, §3.3, Algorithm 5): `attention` restricted to
+    the nonzero blocks of `block_mask`.
+
+    The seqlen_q x seqlen_k attention matrix is cut into blocks of ``block_mask.block_size``
+    (default 128 x 128); keys of a zero block are hidden from that block's queries, as causal
+    hides keys, and the kernels never load their K, V tiles, so the time falls in proportion to
+    the mask's density. With causal=True both apply: a key is visible when the mask's block is
+    nonzero and j <= i + seqlen_k - seqlen_q; the diagonal's blocks are the only ones masked per
+    element (`BlockMask.partial`).
+
+    Parameters
+    ----------
+    q, k, v, causal, scale, return_lse : as `attention`
+    block_mask : cupyflash.BlockMask
+        Of shape (heads or 1, ceil(seqlen_q / block_q), ceil(seqlen_k / block_k)), optionally
+        with a leading batch axis (batch or 1). Its block size must be a whole number of the
+        kernels' tiles for the dtype and head_dim (128 always is); a ValueError says which
+        otherwise.
+
+    Returns
+    -------
+    out, or (out, lse), as `attention`. A query row whose blocks are all zero (or all hidden by
+    causal) gives out 0 and lse -inf.
+
+    Example
+    -------
+    >>> import numpy as np, cupyflash
+    >>> q, k, v = (np.random.randn(1, 256, 2, 16).astype(np.float32) for _ in range(3))
+    >>> mask = cupyflash.BlockMask.from_dense(np.array([[[True, False], [True, True]]]))  # 128 x 128 blocks
+    >>> out = cupyflash.block_sparse_attention(q, k, v, mask)  # queries 0-127 see keys 0-127 only
+    >>> out.shape
+    (1, 256, 2, 16)
+    """
+    return _attention(q, k, v, causal, scale, return_lse, block_mask)
+
+
+def _attention(q, k, v, causal, scale, return_lse, block_mask):
     given = {"q": q, "k": k, "v": v}
     origins = {name: _arrays.classify(x, name) for name, x in given.items()}
     _arrays.check_placement(origins)
@@ -97,6 +138,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     problem = _validation.check_attention_args(
         arrays["q"], arrays["k"], arrays["v"], causal=causal, scale=scale, return_lse=return_lse
     )
+    if block_mask is not None:
+        problem = _validation.check_block_mask(block_mask, problem)
     q_, k_, v_ = arrays["q"], arrays["k"], arrays["v"]
 
     if not origins["q"].on_gpu and not gpu_available():
@@ -114,7 +157,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
 
 
 def _forward_cpu(q, k, v, p: _validation.AttentionProblem):
-    out, lse = reference.tiled_attention(q, k, v, causal=p.causal, scale=p.scale, return_lse=True)
+    out, lse = reference.tiled_attention(
+        q, k, v, causal=p.causal, scale=p.scale, return_lse=True, block_mask=p.block_mask
+    )
     return out.astype(q.dtype), lse.astype(_validation.lse_dtype(p.dtype_name))
 
 
@@ -145,12 +190,33 @@ def _pointer_and_strides(fields: dict, name: str, x) -> None:
     fields[f"{name}_head_stride"] = x.strides[2] // item
 
 
-def _problem_fields(fields: dict, p: _validation.AttentionProblem) -> None:
+def _problem_fields(fields: dict, p: _validation.AttentionProblem, device_id: int) -> None:
     fields["heads"] = p.heads
     fields["seqlen_q"] = p.seqlen_q
     fields["seqlen_k"] = p.seqlen_k
     fields["head_dim"] = p.head_dim
     fields["scale_log2"] = p.scale * reference.LOG2E
+    _mask_fields(fields, p.block_mask, device_id)
+
+
+_MASK_POINTERS = ("kv_block_count", "kv_block_index", "q_block_count", "q_block_index")
+
+
+def _mask_fields(fields: dict, block_mask, device_id: int) -> None:
+    """The block mask's compressed form (kernels' kv_block_*/q_block_*, mask_*); zeros (nullptr)
+    for dense attention. A mask slab is one (batch, head) of the mask; a size-1 axis broadcasts."""
+    if block_mask is None:
+        fields.update(dict.fromkeys(_MASK_POINTERS, 0))
+        fields.update(mask_batch_stride=0, mask_head_stride=0, mask_q_blocks=0, mask_k_blocks=0)
+        fields.update(mask_block_q=0, mask_block_k=0)
+        return
+    for name, x in zip(_MASK_POINTERS, block_mask.device_arrays(device_id)):
+        fields[name] = x.data.ptr
+    heads = block_mask.mask_heads
+    fields["mask_batch_stride"] = heads if block_mask.mask_batch > 1 else 0
+    fields["mask_head_stride"] = 1 if heads > 1 else 0
+    fields["mask_q_blocks"], fields["mask_k_blocks"] = block_mask.blocks
+    fields["mask_block_q"], fields["mask_block_k"] = block_mask.block_size
 
 
 def _params(dtype: numpy.dtype, fields: dict) -> numpy.ndarray:
@@ -195,18 +261,24 @@ def tensor_cores_for(p: _validation.AttentionProblem, device_id: int) -> bool:
     return _instantiations.uses_tensor_cores(p.dtype_name, _compute_capability(device_id))
 
 
-def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=None, tensor_cores=None) -> None:
-    """Launches the forward kernel on CuPy's current stream; arrays must already be validated.
-
-    `kernel` (an _instantiations.FwdKernel or TcFwdKernel) defaults to the traits table's choice:
-    the tensor-core kernel where `tensor_cores_for` allows it, unless tensor_cores=False."""
+def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores=None):
+    """The traits table's forward kernel: the tensor-core kernel where `tensor_cores_for` allows
+    it, unless tensor_cores=False."""
     if tensor_cores is None:
-        tensor_cores = tensor_cores_for(p, q.device.id)
-    kernel = kernel or _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.causal, tensor_cores)
+        tensor_cores = tensor_cores_for(p, device_id)
+    return _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.causal, tensor_cores, p.block_mask is not None)
+
+
+def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=None, tensor_cores=None) -> None:
+    """Launches the forward kernel on CuPy's current stream; arrays (and a block mask's block
+    size) must already be validated.
+
+    `kernel` (an _instantiations.FwdKernel or TcFwdKernel) defaults to `forward_kernel`'s."""
+    kernel = kernel or forward_kernel(p, q.device.id, tensor_cores)
     fields = {"lse": lse.data.ptr}
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         _pointer_and_strides(fields, name, x)
-    _problem_fields(fields, p)
+    _problem_fields(fields, p, q.device.id)
     params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
     _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params)
 
@@ -261,6 +333,22 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, det
     >>> dq.shape, dk.dtype
     ((1, 5, 2, 16), dtype('float32'))
     """
+    return _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, None)
+
+
+def block_sparse_attention_backward(
+    dout, q, k, v, out, lse, block_mask, *, causal=False, scale=None, deterministic=False
+):
+    """Gradients of `block_sparse_attention`: `attention_backward` over the nonzero blocks of
+    `block_mask` only (pass the mask and options the forward had). The dK/dV pass walks, per key
+    block, the query blocks of its mask column; the dQ sums (atomic, or the deterministic pass
+    over each mask row) likewise skip zero blocks. Keys that no query sees get dk = dv = 0; rows
+    that see no key get dq = 0. Arguments, results and errors as `attention_backward`, and the
+    mask as `block_sparse_attention`."""
+    return _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask)
+
+
+def _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask):
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     origins = {name: _arrays.classify(x, name) for name, x in given.items()}
     _arrays.check_placement(origins)
@@ -268,6 +356,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, det
     problem = _validation.check_backward_args(
         *arrays.values(), causal=causal, scale=scale, deterministic=deterministic
     )
+    if block_mask is not None:
+        problem = _validation.check_block_mask(block_mask, problem)
     if not origins["q"].on_gpu and not gpu_available():
         grads = _backward_cpu(*arrays.values(), problem)
     else:
@@ -280,7 +370,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, det
 
 
 def _backward_cpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
-    grads = reference.tiled_attention_backward(dout, q, k, v, out, lse, causal=p.causal, scale=p.scale)
+    grads = reference.tiled_attention_backward(
+        dout, q, k, v, out, lse, causal=p.causal, scale=p.scale, block_mask=p.block_mask
+    )
     return tuple(g.astype(q.dtype) for g in grads)
 
 
@@ -291,6 +383,15 @@ def _backward_gpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
         dq, dk, dv = (_empty(x.shape, x.dtype) for x in (q, k, v))
         launch_backward(dout, q, k, v, out, lse, dq, dk, dv, p)
     return dq, dk, dv
+
+
+def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cores=None) -> tuple:
+    """The traits table's (dK/dV kernel, deterministic dQ kernel) for the problem on this device."""
+    if tensor_cores is None:
+        tensor_cores = tensor_cores_for(p, device_id)
+    return _instantiations.bwd_kernels(
+        p.dtype_name, p.head_dim, p.causal, tensor_cores, large_shared_memory(device_id), p.block_mask is not None
+    )
 
 
 def launch_backward(
@@ -315,7 +416,7 @@ def launch_backward(
     for axis, name in enumerate(("batch", "head", "row")):
         fields[f"lse_{name}_stride"] = lse.strides[axis] // lse.dtype.itemsize
     fields["dq_accum"] = 0 if dq_accum is None else dq_accum.data.ptr
-    _problem_fields(fields, p)
+    _problem_fields(fields, p, device_id)
     params = _params(_instantiations.BWD_PARAMS_DTYPE, fields)
 
     def launch(kernel):
@@ -323,11 +424,7 @@ def launch_backward(
         if grid[0] > 0:  # seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do
             _launch(kernel, device_id, grid, params)
 
-    if tensor_cores is None:
-        tensor_cores = tensor_cores_for(p, device_id)
-    dkdv_kernel, dq_kernel = kernels or _instantiations.bwd_kernels(
-        p.dtype_name, p.head_dim, p.causal, tensor_cores, large_shared_memory(device_id)
-    )
+    dkdv_kernel, dq_kernel = kernels or backward_kernels(p, device_id, tensor_cores)
     launch(_instantiations.BwdRowKernel("preprocess", p.dtype_name))
     launch(dkdv_kernel)
     launch(dq_kernel if p.deterministic else _instantiations.BwdRowKernel("convert_dq", p.dtype_name))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy
 
@@ -71,8 +72,10 @@ def padded_head_dim(head_dim: int) -> int:
 
 class _TiledKernel:
     """What the tiled kernels share. Their traits' template arguments are the element type, the
-    padded head dim and the tile shape's fields in declaration order; the kernel's are the traits
-    and causal. Subclasses give source_file, kernel_name, traits_name, tile, smem_bytes, grid."""
+    padded head dim and the tile shape's fields in declaration order; the kernel's are the traits,
+    causal and block_sparse (the block-sparse instantiation walks a block mask's lists; the dense
+    one compiles to the same code as before block-sparse attention existed). Subclasses give
+    source_file, kernel_name, traits_name, tile, smem_bytes, grid and a block_sparse field."""
 
     @property
     def num_threads(self) -> int:
@@ -85,7 +88,8 @@ class _TiledKernel:
 
     @property
     def name_expression(self) -> str:
-        return f"cupyflash::{self.kernel_name}<{self.traits}, {'true' if self.causal else 'false'}>"
+        flags = ", ".join("true" if flag else "false" for flag in (self.causal, self.block_sparse))
+        return f"cupyflash::{self.kernel_name}<{self.traits}, {flags}>"
 
     def host_checks(self) -> str:
         """A static_assert that the traits' shared-memory bytes are the host's smem_bytes."""
@@ -103,6 +107,7 @@ class FwdKernel(_TiledKernel):
     head_dim: int  # padded
     causal: bool
     tile_override: TileShape | None = None  # for tuning experiments; None: the traits table
+    block_sparse: bool = False
 
     source_file = "flash_fwd.cu"
     kernel_name = "flash_fwd_kernel"
@@ -129,11 +134,12 @@ def _row_stride(dtype_name: str, columns: int) -> int:
     return columns + 16 // accum_itemsize(dtype_name)
 
 
-def fwd_kernel(dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False):
-    """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), else FwdKernel."""
+def fwd_kernel(dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False, block_sparse: bool = False):
+    """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), else
+    FwdKernel; its block-sparse instantiation with block_sparse."""
     _check_tensor_core_dtype(dtype_name, tensor_cores)
     kind = TcFwdKernel if tensor_cores else FwdKernel
-    return kind(dtype_name, padded_head_dim(head_dim), bool(causal))
+    return kind(dtype_name, padded_head_dim(head_dim), bool(causal), block_sparse=bool(block_sparse))
 
 
 def _check_tensor_core_dtype(dtype_name: str, tensor_cores: bool) -> None:
@@ -143,10 +149,11 @@ def _check_tensor_core_dtype(dtype_name: str, tensor_cores: bool) -> None:
 
 def all_fwd_kernels() -> list[FwdKernel]:
     return [
-        FwdKernel(dtype_name, d, causal)
+        FwdKernel(dtype_name, d, causal, block_sparse=sparse)
         for dtype_name in DTYPE_NAMES
         for d in PADDED_HEAD_DIMS
         for causal in (False, True)
+        for sparse in (False, True)
     ]
 
 
@@ -203,6 +210,7 @@ class BwdDkdvKernel(_TiledKernel):
     dtype_name: str
     head_dim: int  # padded
     causal: bool
+    block_sparse: bool = False
 
     source_file = "flash_bwd.cu"
     kernel_name = "flash_bwd_dkdv_kernel"
@@ -236,6 +244,7 @@ class BwdDqKernel(_TiledKernel):
     dtype_name: str
     head_dim: int  # padded
     causal: bool
+    block_sparse: bool = False
 
     source_file = "flash_bwd.cu"
     kernel_name = "flash_bwd_dq_kernel"
@@ -287,15 +296,31 @@ class BwdRowKernel:
 BWD_ROW_STEPS = ("preprocess", "convert_dq")
 
 
-def bwd_kernels(dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False, large_smem: bool = False):
+def bwd_kernels(
+    dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False, large_smem: bool = False,
+    block_sparse: bool = False,
+):
     """(dK/dV kernel, deterministic dQ kernel) for a problem; with tensor_cores (16-bit dtypes
     only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels, its dK/dV tile for
-    an H100's shared memory with large_smem (`tc_dkdv_tile_shape`)."""
+    an H100's shared memory with large_smem (`tc_dkdv_tile_shape`); block_sparse as `fwd_kernel`."""
     _check_tensor_core_dtype(dtype_name, tensor_cores)
-    d = padded_head_dim(head_dim)
+    d, causal, sparse = padded_head_dim(head_dim), bool(causal), bool(block_sparse)
     if tensor_cores:
-        return TcBwdDkdvKernel(dtype_name, d, bool(causal), large_smem=large_smem), TcBwdDqKernel(dtype_name, d, bool(causal))
-    return BwdDkdvKernel(dtype_name, d, bool(causal)), BwdDqKernel(dtype_name, d, bool(causal))
+        return (TcBwdDkdvKernel(dtype_name, d, causal, large_smem=large_smem, block_sparse=sparse),
+                TcBwdDqKernel(dtype_name, d, causal, block_sparse=sparse))
+    return BwdDkdvKernel(dtype_name, d, causal, block_sparse=sparse), BwdDqKernel(dtype_name, d, causal, block_sparse=sparse)
+
+
+def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
+    """(queries, keys): what a block mask's block size must be a multiple of for this dtype and
+    head dim, the largest tile of every kernel that may run it (scalar and tensor-core, either
+    shared-memory table), so that each kernel tile lies in one mask block, whatever the GPU."""
+    d = padded_head_dim(head_dim)
+    kernels = [fwd_kernel(dtype_name, d, False, block_sparse=True), *bwd_kernels(dtype_name, d, False, block_sparse=True)]
+    if dtype_name in TENSOR_CORE_DTYPES:
+        kernels += [fwd_kernel(dtype_name, d, False, True, True), *bwd_kernels(dtype_name, d, False, True, block_sparse=True)]
+        kernels += [bwd_kernels(dtype_name, d, False, True, large_smem=True, block_sparse=True)[0]]
+    return max(k.tile.block_m for k in kernels), max(k.tile.block_n for k in kernels)
 
 
 def all_bwd_kernels() -> list:
@@ -303,13 +328,23 @@ def all_bwd_kernels() -> list:
     for dtype_name in DTYPE_NAMES:
         for d in PADDED_HEAD_DIMS:
             for causal in (False, True):
-                kernels += [BwdDkdvKernel(dtype_name, d, causal), BwdDqKernel(dtype_name, d, causal)]
+                for sparse in (False, True):
+                    kernels += list(bwd_kernels(dtype_name, d, causal, block_sparse=sparse))
     return kernels
 
 
-def all_kernels() -> list:
-    """Every instantiation: what `check-kernels` and the CPU compile tests build."""
-    return all_fwd_kernels() + all_bwd_kernels() + all_tc_kernels()
+def all_kernels(arch: str | None = None) -> list:
+    """Every instantiation: what `check-kernels` and the CPU compile tests build; with arch
+    (e.g. "sm_80", "sm_90a"), those that can run on it (`runs_on`)."""
+    kernels = all_fwd_kernels() + all_bwd_kernels() + all_tc_kernels()
+    return kernels if arch is None else [k for k in kernels if runs_on(k, arch)]
+
+
+def runs_on(kernel, arch: str) -> bool:
+    """Whether `kernel` can be chosen on a GPU of this architecture: the dK/dV tiles for an
+    H100's shared memory (large_smem) only on sm_90 and newer, the GPUs that have it."""
+    version = re.fullmatch(r"sm_(\d+)a?", arch)
+    return not getattr(kernel, "large_smem", False) or (version is not None and int(version.group(1)) >= 90)
 
 
 # --------------------------------------------------------------------------- tensor cores
@@ -351,11 +386,15 @@ class TcBwdTileShape:
 
 # The traits table of the tensor-core kernels, by padded head dim. Every tile fits an A100's
 # 163 KiB of shared memory and compiles without spills (`python -m cupyflash check-kernels`).
-def tc_fwd_tile_shape(padded_head_dim: int) -> TcTileShape:
+def tc_fwd_tile_shape(padded_head_dim: int, block_sparse: bool = False) -> TcTileShape:
+    """block_sparse: the tile of the block-sparse instantiation, which keeps its tile list's
+    state in registers beside the dense kernel's. At d128 the dense tile has none to spare (it
+    spills 16-24 bytes); (128, 32) is the fastest that fits (benchmarks/tune_sparse.py: 0.85x the
+    dense tile's TFLOP/s, where (128, 64, 8 warps) gave 0.67x)."""
     if padded_head_dim <= 64:
         return TcTileShape(128, 128, num_warps=4, min_blocks_per_sm=1)
     if padded_head_dim <= 128:
-        return TcTileShape(128, 64, num_warps=4, min_blocks_per_sm=1)
+        return TcTileShape(128, 32 if block_sparse else 64, num_warps=4, min_blocks_per_sm=1)
     if padded_head_dim <= 224:
         return TcTileShape(64, 64, num_warps=4, min_blocks_per_sm=1)
     # (64, 64, 4) is 11% faster at 256 but spills with causal; (64, 32, 4) fits and is slower.
@@ -368,9 +407,10 @@ SMEM_A100 = 163 * 1024
 SMEM_H100 = 227 * 1024
 
 
-def tc_dkdv_tile_shape(padded_head_dim: int, large_smem: bool = False) -> TcDkdvTileShape:
+def tc_dkdv_tile_shape(padded_head_dim: int, large_smem: bool = False, block_sparse: bool = False) -> TcDkdvTileShape:
     """The dK/dV tile; large_smem: for a device with an H100's shared memory (dO double-buffered,
-    and 64 queries per step above d192), else one that fits an A100."""
+    and 64 queries per step above d192, dense only: the block-sparse kernel's tile list does not
+    fit beside it in registers), else one that fits an A100."""
     do_buffers = 2 if large_smem else 1
     if padded_head_dim <= 16:  # too narrow to split the columns of dK, dV between two warps
         return TcDkdvTileShape(128, 128, num_warps=8, warps_q=1, do_buffers=1, out_split=1, min_blocks_per_sm=1)
@@ -380,7 +420,7 @@ def tc_dkdv_tile_shape(padded_head_dim: int, large_smem: bool = False) -> TcDkdv
         return TcDkdvTileShape(64, 128, num_warps=8, warps_q=2, do_buffers=do_buffers, out_split=1, min_blocks_per_sm=1)
     if padded_head_dim <= 192:
         return TcDkdvTileShape(64, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=1, min_blocks_per_sm=1)
-    block_m = 64 if large_smem else 32
+    block_m = 64 if large_smem and not block_sparse else 32
     return TcDkdvTileShape(block_m, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=1, min_blocks_per_sm=1)
 
 
@@ -403,6 +443,7 @@ class _TcKernel(_TiledKernel):
     head_dim: int  # padded
     causal: bool
     tile_override: TcTileShape | TcDkdvTileShape | TcBwdTileShape | None = None  # for tuning; None: the traits table
+    block_sparse: bool = False
 
     @property
     def tile(self):
@@ -416,7 +457,10 @@ class TcFwdKernel(_TcKernel):
     source_file = "flash_fwd_tc.cu"
     kernel_name = "flash_fwd_tc_kernel"
     traits_name = "TcFwdTraits"
-    tile_table = staticmethod(tc_fwd_tile_shape)
+
+    @property
+    def tile(self) -> TcTileShape:
+        return self.tile_override or tc_fwd_tile_shape(self.head_dim, self.block_sparse)
 
     @property
     def smem_bytes(self) -> int:
@@ -442,7 +486,7 @@ class TcBwdDkdvKernel(_TcKernel):
 
     @property
     def tile(self) -> TcDkdvTileShape:
-        return self.tile_override or tc_dkdv_tile_shape(self.head_dim, self.large_smem)
+        return self.tile_override or tc_dkdv_tile_shape(self.head_dim, self.large_smem, self.block_sparse)
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and other.name_expression == self.name_expression
@@ -488,23 +532,31 @@ def uses_tensor_cores(dtype_name: str, compute_capability: int) -> bool:
 
 def all_tc_kernels() -> list:
     kernels = [
-        kind(dtype_name, d, causal)
+        kind(dtype_name, d, causal, block_sparse=sparse)
         for dtype_name in TENSOR_CORE_DTYPES
         for d in PADDED_HEAD_DIMS
         for causal in (False, True)
+        for sparse in (False, True)
         for kind in (TcFwdKernel, TcBwdDkdvKernel, TcBwdDqKernel)
     ]
-    large = [TcBwdDkdvKernel(k.dtype_name, k.head_dim, k.causal, large_smem=True) for k in kernels
-             if isinstance(k, TcBwdDkdvKernel)]
+    large = [TcBwdDkdvKernel(k.dtype_name, k.head_dim, k.causal, large_smem=True, block_sparse=k.block_sparse)
+             for k in kernels if isinstance(k, TcBwdDkdvKernel)]
     return kernels + [k for k in large if k not in kernels]
 
+
+# The block mask's shape fields, at the end of both structs (zero for dense attention).
+_MASK_FIELDS = [("mask_batch_stride", "i8"), ("mask_head_stride", "i8")] + [
+    (name, "i4") for name in ("mask_q_blocks", "mask_k_blocks", "mask_block_q", "mask_block_k")
+]
 
 # The host's image of struct FwdParams (kernels/flash_fwd.cuh); align=True gives C's layout.
 FWD_PARAMS_DTYPE = numpy.dtype(
     [("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8")]
     + [(f"{t}_{s}_stride", "i8") for t in "qkvo" for s in ("batch", "row", "head")]
     + [("heads", "i4"), ("seqlen_q", "i4"), ("seqlen_k", "i4"), ("head_dim", "i4")]
-    + [("scale_log2", "f8")],
+    + [("scale_log2", "f8")]
+    + [("kv_block_count", "u8"), ("kv_block_index", "u8")]
+    + _MASK_FIELDS,
     align=True,
 )
 
@@ -514,7 +566,9 @@ BWD_PARAMS_DTYPE = numpy.dtype(
     + [(f"{t}_{s}_stride", "i8") for t in ("q", "k", "v", "o", "dout", "dq", "dk", "dv") for s in ("batch", "row", "head")]
     + [("lse_batch_stride", "i8"), ("lse_head_stride", "i8"), ("lse_row_stride", "i8")]
     + [("heads", "i4"), ("seqlen_q", "i4"), ("seqlen_k", "i4"), ("head_dim", "i4")]
-    + [("scale", "f8"), ("scale_log2", "f8")],
+    + [("scale", "f8"), ("scale_log2", "f8")]
+    + [(name, "u8") for name in ("kv_block_count", "kv_block_index", "q_block_count", "q_block_index")]
+    + _MASK_FIELDS,
     align=True,
 )
 

@@ -12,7 +12,7 @@ import numbers
 
 import numpy
 
-from cupyflash._instantiations import MAX_HEAD_DIM
+from cupyflash._instantiations import MAX_HEAD_DIM, block_mask_granularity
 
 try:  # bfloat16 arrays in NumPy and CuPy are ml_dtypes' bfloat16
     import ml_dtypes
@@ -55,6 +55,7 @@ class AttentionProblem:
     scale: float
     return_lse: bool
     deterministic: bool = False
+    block_mask: object = None  # a BlockMask for block-sparse attention (checked by check_block_mask)
 
 
 def check_attention_args(q, k, v, *, causal, scale, return_lse) -> AttentionProblem:
@@ -168,3 +169,78 @@ def check_scale(scale, head_dim: int) -> float:
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"scale must be finite and positive, got {scale}")
     return scale
+
+
+# --------------------------------------------------------------------------- block-sparse
+
+_MIN_BLOCK = 16  # the smallest tile of any kernel: a block size is a multiple of it
+
+
+def check_block_mask_array(mask) -> numpy.ndarray:
+    """The boolean block array of a BlockMask as a NumPy copy: 3 or 4 dimensions, dtype bool."""
+    if type(mask).__module__.split(".")[0] == "cupy":
+        mask = mask.get()
+    if not hasattr(mask, "dtype") or not hasattr(mask, "shape"):
+        raise TypeError(f"the block mask must be a boolean NumPy or CuPy array, got {type(mask).__name__}")
+    mask = numpy.asarray(mask)
+    if mask.dtype != numpy.bool_:
+        raise TypeError(f"the block mask must have dtype bool, got {mask.dtype}")
+    if mask.ndim not in (3, 4):
+        raise ValueError(
+            "the block mask must have shape (heads or 1, n_q_blocks, n_k_blocks) or (batch or 1, heads or 1, "
+            f"n_q_blocks, n_k_blocks), got {mask.shape}"
+        )
+    return numpy.array(mask, dtype=bool, copy=True)
+
+
+def check_block_size(block_size) -> tuple[int, int]:
+    """(block_q, block_k) from an int or a pair; each a positive multiple of 16."""
+    pair = (block_size, block_size) if isinstance(block_size, numbers.Integral) else block_size
+    try:
+        pair = tuple(pair)
+    except TypeError:
+        raise TypeError(f"block_size must be an int or a pair of ints, got {block_size!r}") from None
+    if len(pair) != 2 or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in pair):
+        raise TypeError(f"block_size must be an int or a pair of ints, got {block_size!r}")
+    if not all(x > 0 and x % _MIN_BLOCK == 0 for x in pair):
+        raise ValueError(f"block_size must be positive multiples of {_MIN_BLOCK} (e.g. 128), got {block_size!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def check_count(value, arg: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{arg} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{arg} must be at least {minimum}, got {value}")
+    return int(value)
+
+
+def check_block_mask(block_mask, p: AttentionProblem, for_kernels: bool = True) -> AttentionProblem:
+    """The problem with its block_mask: a BlockMask whose blocks cover the problem's seqlen_q x
+    seqlen_k and whose batch and head axes are 1 or the problem's; for_kernels (not for the
+    NumPy references, which take any block size), blocks the kernels can tile."""
+    from cupyflash._block_mask import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cupyflash.BlockMask, got {type(block_mask).__name__}")
+    bq, bk = block_mask.block_size
+    want = (math.ceil(p.seqlen_q / bq), math.ceil(p.seqlen_k / bk))
+    if block_mask.blocks != want:
+        raise ValueError(
+            f"block_mask has {block_mask.blocks[0]} x {block_mask.blocks[1]} blocks of {bq} x {bk}, but seqlen_q="
+            f"{p.seqlen_q}, seqlen_k={p.seqlen_k} need ceil({p.seqlen_q}/{bq}) x ceil({p.seqlen_k}/{bk}) = "
+            f"{want[0]} x {want[1]}"
+        )
+    if block_mask.mask_batch not in (1, p.batch) or block_mask.mask_heads not in (1, p.heads):
+        raise ValueError(
+            f"block_mask's batch and head axes must be 1 or the inputs' (batch={p.batch}, heads={p.heads}), "
+            f"got shape {block_mask.shape}"
+        )
+    tile_q, tile_k = block_mask_granularity(p.dtype_name, p.head_dim)
+    if for_kernels and (bq % tile_q or bk % tile_k):
+        # Each kernel tile must lie in one mask block, so that it is computed whole or skipped.
+        raise ValueError(
+            f"block_mask's block_size ({bq}, {bk}) must be a multiple of ({tile_q}, {tile_k}), the kernels' tiles "
+            f"for {p.dtype_name} with head_dim {p.head_dim}; block_size=128 or a multiple of it always is"
+        )
+    return dataclasses.replace(p, block_mask=block_mask)

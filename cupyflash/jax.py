@@ -32,25 +32,27 @@ except ImportError as e:  # pragma: no cover - depends on the JAX version
 __all__ = ["attention"]
 
 
-def attention(q, k, v, *, causal=False, scale=None, deterministic=False):
+def attention(q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None):
     """`cupyflash.attention(q, k, v, causal=causal, scale=scale)` for JAX arrays, differentiable
     through `cupyflash.attention_backward`. `deterministic=True` makes the gradients bitwise
-    reproducible. Returns out only; arguments are checked when the call is traced."""
-    return _attention_vjp(q, k, v, bool(causal), scale, bool(deterministic))
+    reproducible. With a `cupyflash.BlockMask` as block_mask, `cupyflash.block_sparse_attention`
+    and its backward (the mask is a static argument, like causal). Returns out only; arguments
+    are checked when the call is traced."""
+    return _attention_vjp(q, k, v, bool(causal), scale, bool(deterministic), block_mask)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention_vjp(q, k, v, causal, scale, deterministic):
-    return _forward(q, k, v, causal, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention_vjp(q, k, v, causal, scale, deterministic, block_mask):
+    return _forward(q, k, v, causal, scale, block_mask)[0]
 
 
-def _attention_fwd(q, k, v, causal, scale, deterministic):
-    out, lse = _forward(q, k, v, causal, scale)
+def _attention_fwd(q, k, v, causal, scale, deterministic, block_mask):
+    out, lse = _forward(q, k, v, causal, scale, block_mask)
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(causal, scale, deterministic, residuals, dout):
-    return _backward(dout, *residuals, causal, scale, deterministic)
+def _attention_bwd(causal, scale, deterministic, block_mask, residuals, dout):
+    return _backward(dout, *residuals, causal, scale, deterministic, block_mask)
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
@@ -72,8 +74,10 @@ class _Spec:
         self.strides = tuple(reversed(strides))
 
 
-def _forward(q, k, v, causal, scale):
+def _forward(q, k, v, causal, scale, block_mask):
     p = _validation.check_attention_args(*map(_Spec, (q, k, v)), causal=causal, scale=scale, return_lse=True)
+    if block_mask is not None:
+        p = _validation.check_block_mask(block_mask, p)
     result = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((p.batch, p.heads, p.seqlen_q), _validation.lse_dtype(p.dtype_name)),
@@ -82,7 +86,9 @@ def _forward(q, k, v, causal, scale):
     def run(ctx, outs, q, k, v):
         out, lse = outs
         if not _on_gpu(q):
-            o, l = reference.tiled_attention(*map(numpy.asarray, (q, k, v)), causal=p.causal, scale=p.scale, return_lse=True)
+            o, l = reference.tiled_attention(
+                *map(numpy.asarray, (q, k, v)), causal=p.causal, scale=p.scale, return_lse=True, block_mask=p.block_mask
+            )
             numpy.asarray(out)[...] = o.astype(out.dtype)
             numpy.asarray(lse)[...] = l.astype(lse.dtype)
             return
@@ -95,16 +101,21 @@ def _forward(q, k, v, causal, scale):
     return buffer_callback(run, result)(q, k, v)
 
 
-def _backward(dout, q, k, v, out, lse, causal, scale, deterministic):
+def _backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask):
     p = _validation.check_backward_args(
         *map(_Spec, (dout, q, k, v, out, lse)), causal=causal, scale=scale, deterministic=deterministic
     )
+    if block_mask is not None:
+        p = _validation.check_block_mask(block_mask, p)
     result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
 
     def run(ctx, grads, dout, q, k, v, out, lse):
         if not _on_gpu(q):
             inputs = map(numpy.asarray, (dout, q, k, v, out, lse))
-            for g, value in zip(grads, reference.tiled_attention_backward(*inputs, causal=p.causal, scale=p.scale)):
+            values = reference.tiled_attention_backward(
+                *inputs, causal=p.causal, scale=p.scale, block_mask=p.block_mask
+            )
+            for g, value in zip(grads, values):
                 numpy.asarray(g)[...] = value.astype(g.dtype)
             return
         with _on_xla_stream(ctx, q):

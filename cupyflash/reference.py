@@ -13,6 +13,7 @@ return_lse=True, float64 `lse` of shape (batch, heads, seqlen_q).
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import numpy
@@ -30,10 +31,22 @@ def _as_float64(x):
     return numpy.asarray(x).astype(numpy.float64)
 
 
-def _prepare(q, k, v, causal, scale, return_lse):
+def _prepare(q, k, v, causal, scale, return_lse, block_mask=None):
     q, k, v = (x if hasattr(x, "ndim") else numpy.asarray(x) for x in (q, k, v))
     problem = _validation.check_attention_args(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    if block_mask is not None:
+        problem = _validation.check_block_mask(block_mask, problem, for_kernels=False)
     return problem, _as_float64(q), _as_float64(k), _as_float64(v)
+
+
+def _hidden(p) -> numpy.ndarray | None:
+    """Boolean, broadcastable to (batch, heads, seqlen_q, seqlen_k): True where key j is hidden
+    from query i by causal or by the block mask; None when nothing is."""
+    hidden = causal_mask(p.seqlen_q, p.seqlen_k) if p.causal else None
+    if p.block_mask is not None:
+        outside = ~p.block_mask.element_mask(p.seqlen_q, p.seqlen_k)
+        hidden = outside if hidden is None else outside | hidden
+    return hidden
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int):
@@ -47,21 +60,29 @@ def _tile_causal_mask(row0, rows, col0, cols, seqlen_q, seqlen_k):
     return j > i + (seqlen_k - seqlen_q)
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
-    """Exact attention in float64, materialising the scores. Semantics of `cupyflash.attention`."""
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse)
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_mask=None):
+    """Exact attention in float64, materialising the scores. Semantics of `cupyflash.attention`
+    (with block_mask, of `cupyflash.block_sparse_attention`)."""
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask)
     out, lse = _materialised_attention(q, k, v, p, numpy.float64, None)
     return (out, lse) if p.return_lse else out
 
 
-def attention_in_precision(q, k, v, dtype, *, causal=False, scale=None, return_lse=False):
+def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, return_lse=False):
+    """Block-sparse attention in float64: `attention` with the block mask expanded to an element
+    mask (keys of zero blocks hidden, as causal hides keys). Semantics of
+    `cupyflash.block_sparse_attention`: a row that sees no key gives out 0 and lse -inf."""
+    return attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse, block_mask=block_mask)
+
+
+def attention_in_precision(q, k, v, dtype, *, causal=False, scale=None, return_lse=False, block_mask=None):
     """Standard attention done in `dtype`'s precision: the baseline that sets test tolerances.
 
     float32/float64 compute in their own precision. For 16-bit dtypes the arithmetic is float32
     (as tensor-core matmuls and a float32 softmax) with the scores, the probabilities and the
     output rounded to `dtype`, as a framework's 16-bit standard attention does. Returns float64.
     """
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse)
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask)
     name = _validation.dtype_name(dtype, "dtype")
     compute = numpy.float64 if name == "float64" else numpy.float32
     rounding = numpy.dtype(dtype) if name in ("float16", "bfloat16") else None
@@ -110,8 +131,9 @@ def _materialised_forward(q, k, v, p, compute, rounding):
 
     qh, kh, vh = (x.astype(compute).transpose(0, 2, 1, 3) for x in (q, k, v))  # (b, h, seq, d)
     scores = rounded(qh @ kh.transpose(0, 1, 3, 2)) * compute(p.scale)
-    if p.causal:
-        scores[..., causal_mask(p.seqlen_q, p.seqlen_k)] = -numpy.inf
+    hidden = _hidden(p)
+    if hidden is not None:
+        scores = numpy.where(hidden, compute(-numpy.inf), scores)
     m = scores.max(axis=-1, keepdims=True, initial=-numpy.inf)
     m_safe = numpy.where(numpy.isneginf(m), 0.0, m).astype(compute)  # no-key rows: all-zero weights
     weights = numpy.exp(scores - m_safe)
@@ -126,7 +148,7 @@ def _materialised_forward(q, k, v, p, compute, rounding):
 # --------------------------------------------------------------------------- backward
 
 
-def attention_backward(dout, q, k, v, *, causal=False, scale=None):
+def attention_backward(dout, q, k, v, *, causal=False, scale=None, block_mask=None):
     """Exact gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), in float64.
 
     With S = scale Q K^T, P = softmax(S) (masked entries 0) and O = P V:
@@ -134,24 +156,33 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None):
     Materialises P; arguments as `attention`, dout with q's shape. Returns float64 arrays with
     the shapes of q, k, v.
     """
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask)
     return _materialised_backward(dout, q, k, v, p, numpy.float64, None)
 
 
-def output_term_magnitude(q, k, v, *, causal=False, scale=None) -> float:
+def block_sparse_attention_backward(dout, q, k, v, block_mask, *, causal=False, scale=None):
+    """Exact gradients (dq, dk, dv) of `block_sparse_attention`, in float64 (`attention_backward`
+    with the block mask expanded to elements)."""
+    return attention_backward(dout, q, k, v, causal=causal, scale=scale, block_mask=block_mask)
+
+
+def output_term_magnitude(q, k, v, *, causal=False, scale=None, block_mask=None) -> float:
     """For `error_bound`: the size an output's rounding noise follows. out_i = sum_j P_ij v_j with
     P_ij = exp(s_ij - lse_i), and a float type resolves an exponent of size |s| only to about
     |s|·eps, a relative error every P_ij carries into the sum: max|v| · max(1, max|s_ij|) over the
     visible scores s = scale·q k^T. Arguments as `attention`."""
-    p, q, k, v = _prepare(q, k, v, causal, scale, False)
+    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask)
     qh, kh = (x.transpose(0, 2, 1, 3) for x in (q, k))
     s = numpy.abs(qh @ kh.transpose(0, 1, 3, 2)) * p.scale
-    if p.causal:
-        s = numpy.where(causal_mask(p.seqlen_q, p.seqlen_k), 0.0, s)
+    hidden = _hidden(p)
+    if hidden is not None:
+        s = numpy.where(hidden, 0.0, s)
     return float(numpy.abs(v).max(initial=0.0)) * max(1.0, float(s.max(initial=0.0)))
 
 
-def gradient_term_magnitudes(dout, q, k, v, *, causal=False, scale=None) -> tuple[float, float, float]:
+def gradient_term_magnitudes(
+    dout, q, k, v, *, causal=False, scale=None, block_mask=None
+) -> tuple[float, float, float]:
     """For `error_bound`: the size of the largest terms summed into dq, dk and dv.
 
     dq_i = scale·sum_j P_ij (dP_ij - D_i) k_j, with each row of P summing to 1:
@@ -160,7 +191,7 @@ def gradient_term_magnitudes(dout, q, k, v, *, causal=False, scale=None) -> tupl
         of P;
     dv_j = sum_i P_ij dO_i: max|dO| times the largest column sum of P.
     Arguments as `attention_backward`; computed in float64 from the materialised P."""
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask)
     out, _, probs = _materialised_forward(q, k, v, p, numpy.float64, None)
     doh, vh = (x.transpose(0, 2, 1, 3) for x in (dout, v))
     dp = numpy.abs(doh @ vh.transpose(0, 1, 3, 2))
@@ -171,20 +202,20 @@ def gradient_term_magnitudes(dout, q, k, v, *, causal=False, scale=None) -> tupl
     return (p.scale * spread * biggest[1], p.scale * spread * biggest[0] * column_sum, biggest[2] * column_sum)
 
 
-def attention_backward_in_precision(dout, q, k, v, dtype, *, causal=False, scale=None):
+def attention_backward_in_precision(dout, q, k, v, dtype, *, causal=False, scale=None, block_mask=None):
     """Standard attention's backward done in `dtype`'s precision (the tolerance baseline):
     float32/float64 in their own precision; for 16-bit dtypes float32 arithmetic with S, P, O,
     dP, dS and the gradients rounded to `dtype`, as a framework's autograd of 16-bit standard
     attention does. Returns float64."""
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask)
     name = _validation.dtype_name(dtype, "dtype")
     compute = numpy.float64 if name == "float64" else numpy.float32
     rounding = numpy.dtype(dtype) if name in ("float16", "bfloat16") else None
     return _materialised_backward(dout, q, k, v, p, compute, rounding)
 
 
-def _prepare_backward(dout, q, k, v, causal, scale):
-    p, q, k, v = _prepare(q, k, v, causal, scale, False)
+def _prepare_backward(dout, q, k, v, causal, scale, block_mask=None):
+    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask)
     dout = _as_float64(dout)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
@@ -210,46 +241,50 @@ def _materialised_backward(dout, q, k, v, p, compute, rounding):
     return tuple(rounded(x).transpose(0, 2, 1, 3).astype(numpy.float64) for x in (dq, dk, dv))
 
 
-def tiled_attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None):
+def tiled_attention(
+    q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None, block_mask=None
+):
     """FlashAttention-2's forward, block by block, as the GPU kernel schedules it (float64).
 
-    block_m, block_n default to the kernel's tile for this dtype and head dim.
+    block_m, block_n default to the kernel's tile for this dtype and head dim (with a block mask,
+    cut to divide its block size). With block_mask (block-sparse FlashAttention, Algorithm 5), a
+    query block visits only the key blocks its mask row lists, in the kernels' order.
     """
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse)
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask)
     tile = _instantiations.tile_shape(p.dtype_name, _instantiations.padded_head_dim(p.head_dim))
-    block_m = block_m or tile.block_m
-    block_n = block_n or tile.block_n
-    b, h, sq, sk = p.batch, p.heads, p.seqlen_q, p.seqlen_k
-    out = numpy.empty((b, sq, h, p.head_dim))
-    lse = numpy.empty((b, h, sq))
+    block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
+    sq, sk = p.seqlen_q, p.seqlen_k
+    out = numpy.empty((p.batch, sq, p.heads, p.head_dim))
+    lse = numpy.empty((p.batch, p.heads, sq))
     scale_log2 = p.scale * LOG2E  # scores in log2 units, so the kernel needs only exp2
 
-    for row0 in range(0, sq, block_m):  # one thread block per query block i (and head, batch)
-        rows = min(block_m, sq - row0)
-        q_i = q[:, row0 : row0 + rows] * scale_log2  # Q_i, prescaled, on chip for the whole loop
-        o_i = numpy.zeros((b, h, rows, p.head_dim))
-        m_i = numpy.full((b, h, rows, 1), -numpy.inf)
-        l_i = numpy.zeros((b, h, rows, 1))
-        n_blocks = _visible_key_blocks(row0, rows, sq, sk, block_n, p.causal)
-        for col0 in range(0, n_blocks * block_n, block_n):
-            cols = min(block_n, sk - col0)
-            s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i, k[:, col0 : col0 + cols])
-            # Like the kernel, mask only tiles the diagonal cuts through (a slice needs no
-            # seqlen_k mask: it holds no key past the end).
-            if p.causal and col0 + block_n - 1 > row0 + sk - sq:
-                s_ij[..., _tile_causal_mask(row0, rows, col0, cols, sq, sk)] = -numpy.inf
-            m_new = numpy.maximum(m_i, s_ij.max(axis=-1, keepdims=True))
-            m_safe = numpy.where(numpy.isneginf(m_new), 0.0, m_new)  # no -inf - -inf = NaN
-            p_ij = numpy.exp2(s_ij - m_safe)
-            rescale = numpy.exp2(m_i - m_safe)
-            l_i = l_i * rescale + p_ij.sum(axis=-1, keepdims=True)
-            o_i = o_i * rescale + numpy.einsum("bhqk,bkhd->bhqd", p_ij, v[:, col0 : col0 + cols])
-            m_i = m_new
-        # Epilogue: one final rescale of O_i, lse written once; rows that saw no key get 0 / -inf.
-        o_i = numpy.divide(o_i, l_i, out=numpy.zeros_like(o_i), where=l_i > 0)
-        out[:, row0 : row0 + rows] = o_i.transpose(0, 2, 1, 3)
-        with numpy.errstate(divide="ignore"):
-            lse[:, :, row0 : row0 + rows] = numpy.where(l_i > 0, m_i / LOG2E + numpy.log(l_i), -numpy.inf)[..., 0]
+    for slab, bs, hs in _mask_slabs(p):  # batch entries and heads that share one mask slab
+        for row0 in range(0, sq, block_m):  # one thread block per query block i (and head, batch)
+            rows = min(block_m, sq - row0)
+            q_i = q[bs, row0 : row0 + rows, hs] * scale_log2  # Q_i, prescaled, on chip for the whole loop
+            o_i = numpy.zeros((q_i.shape[0], q_i.shape[2], rows, p.head_dim))
+            m_i = numpy.full(o_i.shape[:3] + (1,), -numpy.inf)
+            l_i = numpy.zeros_like(m_i)
+            for n_block in key_tiles(p, slab, row0, rows, block_n):
+                col0 = n_block * block_n
+                cols = min(block_n, sk - col0)
+                s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i, k[bs, col0 : col0 + cols, hs])
+                # Like the kernel, mask only tiles the diagonal cuts through (a slice needs no
+                # seqlen_k mask: it holds no key past the end).
+                if p.causal and col0 + block_n - 1 > row0 + sk - sq:
+                    s_ij[..., _tile_causal_mask(row0, rows, col0, cols, sq, sk)] = -numpy.inf
+                m_new = numpy.maximum(m_i, s_ij.max(axis=-1, keepdims=True))
+                m_safe = numpy.where(numpy.isneginf(m_new), 0.0, m_new)  # no -inf - -inf = NaN
+                p_ij = numpy.exp2(s_ij - m_safe)
+                rescale = numpy.exp2(m_i - m_safe)
+                l_i = l_i * rescale + p_ij.sum(axis=-1, keepdims=True)
+                o_i = o_i * rescale + numpy.einsum("bhqk,bkhd->bhqd", p_ij, v[bs, col0 : col0 + cols, hs])
+                m_i = m_new
+            # Epilogue: one final rescale of O_i, lse written once; rows that saw no key get 0 / -inf.
+            o_i = numpy.divide(o_i, l_i, out=numpy.zeros_like(o_i), where=l_i > 0)
+            out[bs, row0 : row0 + rows, hs] = o_i.transpose(0, 2, 1, 3)
+            with numpy.errstate(divide="ignore"):
+                lse[bs, hs, row0 : row0 + rows] = numpy.where(l_i > 0, m_i / LOG2E + numpy.log(l_i), -numpy.inf)[..., 0]
     return (out, lse) if p.return_lse else out
 
 
@@ -262,20 +297,83 @@ def _visible_key_blocks(row0: int, rows: int, seqlen_q: int, seqlen_k: int, bloc
     return n_blocks
 
 
-def tiled_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, block_m=None, block_n=None):
+def _tiles(p, block_m: int, block_n: int) -> tuple[int, int]:
+    """Tile sizes that divide the block mask's blocks (the kernels require it; here they are cut)."""
+    if p.block_mask is None:
+        return block_m, block_n
+    bq, bk = p.block_mask.block_size
+    return math.gcd(block_m, bq), math.gcd(block_n, bk)
+
+
+def _mask_slabs(p):
+    """(mask slab, batch index, head index): the groups of (batch, head) pairs one slab of the block
+    mask covers (all of them without a mask), as indices that keep q's axes."""
+    everything = slice(None)
+    if p.block_mask is None:
+        yield None, everything, everything
+        return
+    mb, mh = p.block_mask.mask_batch, p.block_mask.mask_heads
+    for b in range(mb):
+        for h in range(mh):
+            yield (b, h), (everything if mb == 1 else slice(b, b + 1)), (everything if mh == 1 else slice(h, h + 1))
+
+
+def sparse_tiles(blocks, count: int, per_block: int, lo: int, hi: int) -> list[int]:
+    """The kernels' tile walk over one mask row (kernels/flash_fwd.cuh, sparse_tiles and
+    TileSequence): the tiles, per_block to a block, of the ascending nonzero `blocks[:count]`
+    that fall in [lo, hi), in order, found with the same binary searches and cuts."""
+    if lo >= hi:
+        return []
+    blocks = [int(x) for x in blocks[:count]]
+    first = 0 if lo == 0 else bisect.bisect_left(blocks, lo // per_block)
+    last = bisect.bisect_left(blocks, -(-hi // per_block))
+    if first >= last:
+        return []
+    begin = first * per_block + max(0, lo - blocks[first] * per_block)
+    end = (last - 1) * per_block + min(per_block, hi - blocks[last - 1] * per_block)
+    return [blocks[t // per_block] * per_block + t % per_block for t in range(begin, end)]
+
+
+def key_tiles(p, slab, row0: int, rows: int, block_n: int) -> list[int]:
+    """The key tiles (of block_n) the query tile [row0, row0 + rows) visits, as the kernels'
+    key_tiles: those causal leaves visible, and with a block mask only its row's nonzero blocks."""
+    visible = _visible_key_blocks(row0, rows, p.seqlen_q, p.seqlen_k, block_n, p.causal)
+    if p.block_mask is None:
+        return list(range(visible))
+    bq, bk = p.block_mask.block_size
+    count, index = p.block_mask.kv_count[slab], p.block_mask.kv_index[slab]
+    r = row0 // bq
+    return sparse_tiles(index[r], int(count[r]), bk // block_n, 0, visible)
+
+
+def query_tiles(p, slab, col0: int, block_m: int) -> list[int]:
+    """The query tiles (of block_m) that see the key tile at col0, as the kernels' query_tiles."""
+    lo = max(col0 - (p.seqlen_k - p.seqlen_q), 0) // block_m if p.causal else 0
+    hi = -(-p.seqlen_q // block_m)
+    if p.block_mask is None:
+        return list(range(lo, hi))
+    bq, bk = p.block_mask.block_size
+    count, index = p.block_mask.q_count[slab], p.block_mask.q_index[slab]
+    c = col0 // bk
+    return sparse_tiles(index[c], int(count[c]), bq // block_m, lo, hi)
+
+
+def tiled_attention_backward(
+    dout, q, k, v, out, lse, *, causal=False, scale=None, block_m=None, block_n=None, block_mask=None
+):
     """FlashAttention-2's backward (Algorithm 2) in float64, block by block as the dK/dV kernel
     schedules it: an outer loop over key blocks holding dK_j, dV_j, an inner loop over the query
-    blocks that can see them, P_ij recomputed from the saved lse, dQ summed across key blocks.
+    blocks that can see them (with block_mask, those its mask column lists), P_ij recomputed from
+    the saved lse, dQ summed across key blocks.
 
     Arguments as `cupyflash.attention_backward`: `out` and `lse` are the forward's. block_m
     (query rows per step) and block_n (keys per block) default to the kernel's tile. Returns
     float64 (dq, dk, dv).
     """
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask)
     out, lse = _as_float64(out), _as_float64(lse)
     tile = _instantiations.dkdv_tile_shape(p.dtype_name, _instantiations.padded_head_dim(p.head_dim))
-    block_m = block_m or tile.block_m
-    block_n = block_n or tile.block_n
+    block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
     sq, sk = p.seqlen_q, p.seqlen_k
     # Preprocessing: D_i = rowsum(dO_i * O_i); lse in log2 units, +inf where no key was seen so
     # that P = exp2(s - lse) is exactly 0 there (as -inf would give NaN on masked scores).
@@ -286,25 +384,26 @@ def tiled_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     dk = numpy.zeros(k.shape)
     dv = numpy.zeros(v.shape)
 
-    for col0 in range(0, sk, block_n):  # one thread block per key block j (and head, batch)
-        cols = min(block_n, sk - col0)
-        k_j, v_j = k[:, col0 : col0 + cols], v[:, col0 : col0 + cols]
-        dk_j = numpy.zeros((p.batch, cols, p.heads, p.head_dim))
-        dv_j = numpy.zeros_like(dk_j)
-        # With causal, query blocks that end before the first query seeing key col0 are skipped.
-        first_block = max(col0 - (sk - sq), 0) // block_m if p.causal else 0
-        for row0 in range(first_block * block_m, sq, block_m):
-            rows = min(block_m, sq - row0)
-            q_i, do_i = q[:, row0 : row0 + rows], dout[:, row0 : row0 + rows]
-            s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i * scale_log2, k_j)  # Q_i prescaled, as in the forward
-            if p.causal and col0 + block_n - 1 > row0 + sk - sq:
-                s_ij[..., _tile_causal_mask(row0, rows, col0, cols, sq, sk)] = -numpy.inf
-            p_ij = numpy.exp2(s_ij - lse_log2[:, :, row0 : row0 + rows])
-            dv_j += numpy.einsum("bhqk,bqhd->bkhd", p_ij, do_i)
-            dp_ij = numpy.einsum("bqhd,bkhd->bhqk", do_i, v_j)
-            ds_ij = p_ij * (dp_ij - d[:, :, row0 : row0 + rows])
-            dk_j += numpy.einsum("bhqk,bqhd->bkhd", ds_ij, q_i)
-            dq[:, row0 : row0 + rows] += p.scale * numpy.einsum("bhqk,bkhd->bqhd", ds_ij, k_j)
-        dk[:, col0 : col0 + cols] = p.scale * dk_j
-        dv[:, col0 : col0 + cols] = dv_j
+    for slab, bs, hs in _mask_slabs(p):
+        for col0 in range(0, sk, block_n):  # one thread block per key block j (and head, batch)
+            cols = min(block_n, sk - col0)
+            k_j, v_j = k[bs, col0 : col0 + cols, hs], v[bs, col0 : col0 + cols, hs]
+            dk_j = numpy.zeros_like(k_j)
+            dv_j = numpy.zeros_like(k_j)
+            # With causal, query blocks that end before the first query seeing key col0 are skipped.
+            for m_block in query_tiles(p, slab, col0, block_m):
+                row0 = m_block * block_m
+                rows = min(block_m, sq - row0)
+                q_i, do_i = q[bs, row0 : row0 + rows, hs], dout[bs, row0 : row0 + rows, hs]
+                s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i * scale_log2, k_j)  # Q_i prescaled, as in the forward
+                if p.causal and col0 + block_n - 1 > row0 + sk - sq:
+                    s_ij[..., _tile_causal_mask(row0, rows, col0, cols, sq, sk)] = -numpy.inf
+                p_ij = numpy.exp2(s_ij - lse_log2[bs, hs, row0 : row0 + rows])
+                dv_j += numpy.einsum("bhqk,bqhd->bkhd", p_ij, do_i)
+                dp_ij = numpy.einsum("bqhd,bkhd->bhqk", do_i, v_j)
+                ds_ij = p_ij * (dp_ij - d[bs, hs, row0 : row0 + rows])
+                dk_j += numpy.einsum("bhqk,bqhd->bkhd", ds_ij, q_i)
+                dq[bs, row0 : row0 + rows, hs] += p.scale * numpy.einsum("bhqk,bkhd->bqhd", ds_ij, k_j)
+            dk[bs, col0 : col0 + cols, hs] = p.scale * dk_j
+            dv[bs, col0 : col0 + cols, hs] = dv_j
     return dq, dk, dv

@@ -22,11 +22,12 @@ from cupyflash import _arrays, _attention
 __all__ = ["attention", "FlashAttentionFunction"]
 
 
-def attention(q, k, v, *, causal=False, scale=None, deterministic=False):
+def attention(q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None):
     """`cupyflash.attention(q, k, v, causal=causal, scale=scale)` for torch tensors, with a
     backward pass (`cupyflash.attention_backward`) for autograd. `deterministic=True` makes the
-    gradients bitwise reproducible (see attention_backward). Returns out only."""
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic)
+    gradients bitwise reproducible (see attention_backward). With a `cupyflash.BlockMask` as
+    block_mask, `cupyflash.block_sparse_attention` and its backward. Returns out only."""
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, block_mask)
 
 
 def _on_torch_stream(x):
@@ -47,13 +48,13 @@ class FlashAttentionFunction(torch.autograd.Function):
     Backward: cupyflash.attention_backward, recomputing the attention matrix tile by tile."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, deterministic):
+    def forward(ctx, q, k, v, causal, scale, deterministic, block_mask=None):
         # DLPack refuses tensors that require grad; the kernels only read them.
         q, k, v = (x.detach() for x in (q, k, v))
         with _on_torch_stream(q):
-            out, lse = _attention.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+            out, lse = _attention._attention(q, k, v, causal, scale, True, block_mask)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = {"causal": causal, "scale": scale, "deterministic": deterministic}
+        ctx.options = (causal, scale, deterministic, block_mask)
         return out
 
     @staticmethod
@@ -63,5 +64,5 @@ class FlashAttentionFunction(torch.autograd.Function):
         if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
             dout = dout.contiguous()
         with _on_torch_stream(q):
-            dq, dk, dv = _attention.attention_backward(dout, q, k, v, out, lse, **ctx.options)
-        return dq, dk, dv, None, None, None
+            dq, dk, dv = _attention._attention_backward(dout, q, k, v, out, lse, *ctx.options)
+        return dq, dk, dv, None, None, None, None

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kerne
 }
 
 // Grid: (ceil(seqlen_k / kBlockN), heads, batch). Block: Bt::kNThreads. Shared memory: Bt::kSmemBytes.
-template <typename Bt, bool kIsCausal>
+template <typename Bt, bool kIsCausal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_dkdv_kernel(const BwdParams params) {
     using G = typename Bt::KeyGrid;     // keys x queries, keys x head dim
     using QG = typename Bt::QueryGrid;  // queries x head dim
@@ -95,12 +95,10 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
     zero_tile<G>(dV);
 
     // With causal, query i sees key col0 only if col0 <= i + seqlen_k - seqlen_q: earlier query
-    // blocks see nothing of this key block and are skipped.
-    int m_block_min = 0;
-    if (kIsCausal) m_block_min = max(col0 - (params.seqlen_k - params.seqlen_q), 0) / Bt::kBlockM;
-    const int m_block_max = ceil_div(params.seqlen_q, Bt::kBlockM);
-    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-        const int row0 = m_block * Bt::kBlockM;
+    // blocks see nothing of this key block and are skipped, as are those a block mask leaves out.
+    const auto query_blocks = query_tiles<Bt::kBlockM, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, col0);
+    for (int t = query_blocks.begin; t < query_blocks.end; ++t) {
+        const int row0 = query_blocks[t] * Bt::kBlockM;
         const int rows_valid = min(Bt::kBlockM, params.seqlen_q - row0);
         __syncthreads();  // every thread is done with the previous Q_i, dO_i, P^T, dS^T, dS
         // Q_i prescaled by scale·log2(e) as in the forward, so that S_ij comes out bit for bit the
@@ -176,7 +174,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Dt::kNThreads. Shared memory: Dt::kSmemBytes.
 // The forward's loop with dQ_i = scale · sum_j dS_ij K_j in place of O_i = sum_j P_ij V_j: each dQ_i
 // is summed by one thread block in a fixed order, so the result is the same bits every run.
-template <typename Dt, bool kIsCausal>
+template <typename Dt, bool kIsCausal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_kernel(const BwdParams params) {
     using Accum = typename Dt::Accum;
     using Storage = typename Dt::Storage;
@@ -196,8 +194,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     const int rows_valid = min(Dt::kBlockM, params.seqlen_q - row0);
     const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
 
-    const int n_block_max =
-        visible_key_blocks<Dt::kBlockN, kIsCausal>(row0, rows_valid, params.seqlen_q, params.seqlen_k);
+    const auto key_blocks = key_tiles<Dt::kBlockN, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
 
     const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
@@ -225,8 +222,8 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     Accum dQ[Dt::kRowsPerThread][Dt::kOColsPerThread];
     zero_tile<Dt>(dQ);
     const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
-    for (int n_block = 0; n_block < n_block_max; ++n_block) {
-        const int col0 = n_block * Dt::kBlockN;
+    for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
+        const int col0 = key_blocks[t] * Dt::kBlockN;
         const int keys_valid = min(Dt::kBlockN, params.seqlen_k - col0);
         __syncthreads();  // every thread is done reading the previous K_j, V_j and dS_ij
         load_tile<Dt, Dt::kBlockN>(sK, k + col0 * params.k_row_stride, params.k_row_stride, keys_valid,

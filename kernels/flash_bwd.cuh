@@ -43,7 +43,33 @@ struct BwdParams {
     int head_dim;
     double scale;       // softmax scale
     double scale_log2;  // scale · log2(e)
+    // Block-sparse attention, as in FwdParams (nullptr: dense); the mask's rows for the dQ kernel
+    // and its columns (per key block, the ascending query blocks that see it) for the dK/dV kernel.
+    const int* kv_block_count;  // [mask slabs][mask_q_blocks]
+    const int* kv_block_index;  // [mask slabs][mask_q_blocks][mask_k_blocks]
+    const int* q_block_count;   // [mask slabs][mask_k_blocks]
+    const int* q_block_index;   // [mask slabs][mask_k_blocks][mask_q_blocks]
+    long long mask_batch_stride, mask_head_stride;
+    int mask_q_blocks, mask_k_blocks;
+    int mask_block_q, mask_block_k;
 };
+
+// The query tiles of kBlockM that see the key tile from key0 (the dK/dV kernel's loop): with
+// causal none whose last row is left of key0's diagonal; with a block mask only those of the
+// nonzero blocks of its mask column.
+template <int kBlockM, bool kIsCausal, bool kIsBlockSparse>
+__device__ __forceinline__ TileSequence<kIsBlockSparse> query_tiles(const BwdParams& params, int batch_idx,
+                                                                    int head_idx, int key0) {
+    const int lo = kIsCausal ? max(0, key0 - params.seqlen_k + params.seqlen_q) / kBlockM : 0;
+    const int hi = ceil_div(params.seqlen_q, kBlockM);
+    if constexpr (!kIsBlockSparse) {
+        return {nullptr, 1, lo, hi};
+    } else {
+        const long long col = mask_slab(params, batch_idx, head_idx) * params.mask_k_blocks + key0 / params.mask_block_k;
+        return sparse_tiles(params.q_block_index + col * params.mask_q_blocks, params.q_block_count[col],
+                            params.mask_block_q / kBlockM, lo, hi);
+    }
+}
 
 // Offset of row `row` of (batch, head) in a [batch, heads, seqlen_q] contiguous vector.
 __device__ __forceinline__ long long row_vector_offset(const BwdParams& params, int batch_idx, int head_idx) {

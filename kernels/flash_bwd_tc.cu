@@ -79,7 +79,7 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned s
 
 // Grid: (ceil(seqlen_k / kBlockN) · kOutSplit, heads, batch). Block: Bt::kNThreads.
 // Shared memory: Bt::kSmemBytes.
-template <typename Bt, bool kIsCausal>
+template <typename Bt, bool kIsCausal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     flash_bwd_dkdv_tc_kernel(const BwdParams params) {
     using Storage = typename Bt::Storage;
@@ -109,10 +109,9 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const int keys_valid = min(Bt::kBlockN, params.seqlen_k - key0);
 
     // Query blocks that see this key block: with causal, query i sees key j when
-    // i >= j - (seqlen_k - seqlen_q); earlier query blocks are skipped.
-    const int m_block_max = ceil_div(params.seqlen_q, Bt::kBlockM);
-    int m_block_min = 0;
-    if (kIsCausal) m_block_min = max(0, key0 - params.seqlen_k + params.seqlen_q) / Bt::kBlockM;
+    // i >= j - (seqlen_k - seqlen_q), so earlier query blocks are skipped, as are those a block
+    // mask leaves out.
+    const auto query_blocks = query_tiles<Bt::kBlockM, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, key0);
 
     const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
                        head_idx * params.q_head_stride;
@@ -129,15 +128,15 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     // The query blocks are visited in a rotated order that starts at this key block's index: the
     // blocks in flight then add into different rows of dQ at a time (atomics on the same
     // addresses serialise in L2).
-    const int m_blocks = m_block_max - m_block_min;
-    int m_block = m_blocks > 0 ? m_block_min + n_block % m_blocks : 0;
-    const auto after = [&](int m) { return m + 1 < m_block_max ? m + 1 : m_block_min; };
+    const int m_blocks = query_blocks.end - query_blocks.begin;
+    int t = m_blocks > 0 ? query_blocks.begin + n_block % m_blocks : 0;
+    const auto after = [&](int t) { return t + 1 < query_blocks.end ? t + 1 : query_blocks.begin; };
 
     load_tile_async<Bt, Bt::kBlockN>(sK, k, params.k_row_stride, keys_valid, params.head_dim);
     load_tile_async<Bt, Bt::kBlockN>(sV, v, params.v_row_stride, keys_valid, params.head_dim);
     if (m_blocks > 0) {
-        load_query_block<Bt>(params, sQ, sLse2, sD, q, lse_log2, d, m_block * Bt::kBlockM);
-        load_dout_block<Bt>(params, sdO, dout, m_block * Bt::kBlockM);
+        load_query_block<Bt>(params, sQ, sLse2, sD, q, lse_log2, d, query_blocks[t] * Bt::kBlockM);
+        load_dout_block<Bt>(params, sdO, dout, query_blocks[t] * Bt::kBlockM);
     }
     cp_async_commit();
 
@@ -148,11 +147,11 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const unsigned sK_warp = sK + warp_keys * kStride * 2, sV_warp = sV + warp_keys * kStride * 2;
     const unsigned sPt_warp = sPt + warp_keys * kPStride * 2, sdSt_warp = sdSt + warp_keys * kPStride * 2;
 
-    for (int step = 0; step < m_blocks; ++step, m_block = after(m_block)) {
+    for (int step = 0; step < m_blocks; ++step, t = after(t)) {
         const int buf = step % 2;
-        const int q_row0 = m_block * Bt::kBlockM;
+        const int q_row0 = query_blocks[t] * Bt::kBlockM;
         const bool has_next = step + 1 < m_blocks;
-        const int next_row0 = after(m_block) * Bt::kBlockM;
+        const int next_row0 = query_blocks[after(t)] * Bt::kBlockM;
         const unsigned sQ_i = sQ + buf * Bt::kBlockM * kStride * 2;
         const float* sLse2_i = sLse2 + buf * Bt::kBlockM;
         const float* sD_i = sD + buf * Bt::kBlockM;
@@ -259,7 +258,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
 
 // Grid: (ceil(seqlen_q / kBlockM) · kOutSplit, heads, batch). Block: Dt::kNThreads.
 // Shared memory: Dt::kSmemBytes.
-template <typename Dt, bool kIsCausal>
+template <typename Dt, bool kIsCausal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_tc_kernel(const BwdParams params) {
     using Storage = typename Dt::Storage;
     using Op = typename Dt::Op;
@@ -279,8 +278,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     const int rows_valid = min(Dt::kBlockM, params.seqlen_q - row0);
     const int warp_row0 = row0 + warp * Dt::kWarpRows;
 
-    const int n_block_max =
-        visible_key_blocks<Dt::kBlockN, kIsCausal>(row0, rows_valid, params.seqlen_q, params.seqlen_k);
+    const auto key_blocks = key_tiles<Dt::kBlockN, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
 
     const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
@@ -304,12 +302,18 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
             d_i[mt][h] = valid ? static_cast<const float*>(params.d)[row_stats + row] : 0.f;
         }
 
-    if (n_block_max > 0) {
+    // Block-sparse, n_block carries the next tile's index, read an iteration ahead so that its
+    // load hides under a tile's work. (Dense, the tiles are numbered as before block-sparse
+    // attention existed: the same meaning, but NVRTC schedules the loop differently otherwise.)
+    int n_block = key_blocks.begin < key_blocks.end ? key_blocks[key_blocks.begin] : 0;
+    if (key_blocks.begin < key_blocks.end) {
+        const int first = kIsBlockSparse ? n_block * Dt::kBlockN : 0;
+        const int first_valid = min(Dt::kBlockN, params.seqlen_k - first);
         load_tile_async<Dt, Dt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
         load_tile_async<Dt, Dt::kBlockM>(sdO, dout, params.dout_row_stride, rows_valid, params.head_dim);
-        load_tile_async<Dt, Dt::kBlockN>(sK, k, params.k_row_stride, min(Dt::kBlockN, params.seqlen_k),
+        load_tile_async<Dt, Dt::kBlockN>(sK, k + first * params.k_row_stride, params.k_row_stride, first_valid,
                                          params.head_dim);
-        load_tile_async<Dt, Dt::kBlockN>(sV, v, params.v_row_stride, min(Dt::kBlockN, params.seqlen_k),
+        load_tile_async<Dt, Dt::kBlockN>(sV, v + first * params.v_row_stride, params.v_row_stride, first_valid,
                                          params.head_dim);
         cp_async_commit();
     }
@@ -321,16 +325,18 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     const unsigned sQ_warp = sQ + warp * Dt::kWarpRows * Dt::kStride * 2;
     const unsigned sdO_warp = sdO + warp * Dt::kWarpRows * Dt::kStride * 2;
 
-    for (int n_block = 0; n_block < n_block_max; ++n_block) {
-        const int buf = n_block % 2;
-        const int col0 = n_block * Dt::kBlockN;
+    for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
+        const int buf = (kIsBlockSparse ? t - key_blocks.begin : t) % 2;
+        const int col0 = (kIsBlockSparse ? n_block : t) * Dt::kBlockN;
+        if (kIsBlockSparse && t + 1 < key_blocks.end) n_block = key_blocks[t + 1];
         const int keys_valid = min(Dt::kBlockN, params.seqlen_k - col0);
         const unsigned sK_j = sK + buf * Dt::kBlockN * Dt::kStride * 2;
         const unsigned sV_j = sV + buf * Dt::kBlockN * Dt::kStride * 2;
         cp_async_wait<0>();
         __syncthreads();  // K_j, V_j (and Q_i, dO_i) have landed; every warp is done with the other buffers
-        if (n_block + 1 < n_block_max) {
-            const int next = col0 + Dt::kBlockN, next_valid = min(Dt::kBlockN, params.seqlen_k - next);
+        if (t + 1 < key_blocks.end) {
+            const int next = kIsBlockSparse ? n_block * Dt::kBlockN : col0 + Dt::kBlockN;
+            const int next_valid = min(Dt::kBlockN, params.seqlen_k - next);
             load_tile_async<Dt, Dt::kBlockN>(sK + (1 - buf) * Dt::kBlockN * Dt::kStride * 2, k + next * params.k_row_stride,
                                              params.k_row_stride, next_valid, params.head_dim);
             load_tile_async<Dt, Dt::kBlockN>(sV + (1 - buf) * Dt::kBlockN * Dt::kStride * 2, v + next * params.v_row_stride,

@@ -8,7 +8,7 @@ namespace cupyflash {
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads threads.
 // Dynamic shared memory: Kt::kSmemBytes.
-template <typename Kt, bool kIsCausal>
+template <typename Kt, bool kIsCausal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_kernel(const FwdParams params) {
     using Accum = typename Kt::Accum;
     using Storage = typename Kt::Storage;
@@ -26,8 +26,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     const int row0 = m_block * Kt::kBlockM;
     const int rows_valid = min(Kt::kBlockM, params.seqlen_q - row0);
 
-    const int n_block_max =
-        visible_key_blocks<Kt::kBlockN, kIsCausal>(row0, rows_valid, params.seqlen_q, params.seqlen_k);
+    // Key blocks K_j, V_j this query block visits (all that causal leaves visible, or the mask's).
+    const auto key_blocks = key_tiles<Kt::kBlockN, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
 
     const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
@@ -53,8 +53,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
     // Rows of this block whose causal diagonal falls left of a key tile need per-element masks.
     const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
-    for (int n_block = 0; n_block < n_block_max; ++n_block) {
+    int n_block = key_blocks.begin < key_blocks.end ? key_blocks[key_blocks.begin] : 0;
+    for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
         const int col0 = n_block * Kt::kBlockN;
+        if (t + 1 < key_blocks.end) n_block = key_blocks[t + 1];
         const int keys_valid = min(Kt::kBlockN, params.seqlen_k - col0);
         __syncthreads();  // every thread is done reading the previous K_j, V_j and P_ij
         load_tile<Kt, Kt::kBlockN>(sK, k + col0 * params.k_row_stride, params.k_row_stride,

@@ -26,6 +26,15 @@ struct FwdParams {
     int seqlen_k;
     int head_dim;             // the true head dim, <= the kernel's padded kHeadDim
     double scale_log2;        // softmax scale * log2(e): scores live in base 2, so exp2 suffices
+    // Block-sparse attention (FlashAttention, Algorithm 5); nullptr: dense. The mask's nonzero
+    // blocks M_ij in compressed form, per mask row (a query block of mask_block_q queries): their
+    // count and their ascending key-block indices (blocks of mask_block_k keys), left-packed.
+    const int* kv_block_count;  // [mask slabs][mask_q_blocks]
+    const int* kv_block_index;  // [mask slabs][mask_q_blocks][mask_k_blocks]
+    // Slab of (batch, head) = batch * mask_batch_stride + head * mask_head_stride (0 broadcasts).
+    long long mask_batch_stride, mask_head_stride;
+    int mask_q_blocks, mask_k_blocks;
+    int mask_block_q, mask_block_k;
 };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T x[N]; };
@@ -46,6 +55,68 @@ __device__ __forceinline__ int visible_key_blocks(int row0, int rows_valid, int 
     if (!kIsCausal) return n_blocks;
     const int last_key = row0 + rows_valid - 1 + seqlen_k - seqlen_q;
     return min(n_blocks, last_key < 0 ? 0 : last_key / kBlockN + 1);
+}
+
+// The tiles a thread block visits along one axis, in order: positions begin..end-1 of either every
+// tile (dense: position t is tile t) or, block-sparse, the tiles of one mask row's nonzero blocks,
+// per_block tiles to a mask block (a mask block is a whole number of kernel tiles).
+template <bool kIsBlockSparse>
+struct TileSequence {
+    const int* blocks;  // the mask row's ascending nonzero block indices (block-sparse only)
+    int per_block;
+    int begin, end;
+    __device__ __forceinline__ int operator[](int t) const {
+        if constexpr (kIsBlockSparse) {
+            return blocks[t / per_block] * per_block + t % per_block;
+        } else {
+            return t;
+        }
+    }
+};
+
+// First position e in the ascending blocks[0, count) with blocks[e] >= value.
+__device__ __forceinline__ int lower_bound(const int* blocks, int count, int value) {
+    int lo = 0, hi = count;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (blocks[mid] < value) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+// The tiles in [lo, hi) of a mask row whose `count` nonzero blocks are `blocks`: tiles outside
+// (past the causal diagonal, past the sequence's end) are never visited, whole blocks found by
+// binary search, the first and last cut to the range.
+__device__ __forceinline__ TileSequence<true> sparse_tiles(const int* blocks, int count, int per_block, int lo, int hi) {
+    if (lo >= hi || count == 0) return {blocks, per_block, 0, 0};
+    // Searched only where the range cuts the row (causal); otherwise the whole row is in it.
+    const int first = lo == 0 ? 0 : lower_bound(blocks, count, lo / per_block);
+    const int hi_block = ceil_div(hi, per_block);
+    const int last = blocks[count - 1] < hi_block ? count : lower_bound(blocks, count, hi_block);  // one past
+    if (first >= last) return {blocks, per_block, 0, 0};
+    const int begin = first * per_block + max(0, lo - blocks[first] * per_block);
+    const int end = (last - 1) * per_block + min(per_block, hi - blocks[last - 1] * per_block);
+    return {blocks, per_block, begin, end};
+}
+
+template <typename Params>
+__device__ __forceinline__ long long mask_slab(const Params& params, int batch_idx, int head_idx) {
+    return batch_idx * params.mask_batch_stride + head_idx * params.mask_head_stride;
+}
+
+// The key tiles of kBlockN a query tile [row0, row0 + rows_valid) visits: with causal none right
+// of its last row's diagonal; with a block mask only those of its mask row's nonzero blocks.
+template <int kBlockN, bool kIsCausal, bool kIsBlockSparse, typename Params>
+__device__ __forceinline__ TileSequence<kIsBlockSparse> key_tiles(const Params& params, int batch_idx, int head_idx,
+                                                                  int row0, int rows_valid) {
+    const int visible = visible_key_blocks<kBlockN, kIsCausal>(row0, rows_valid, params.seqlen_q, params.seqlen_k);
+    if constexpr (!kIsBlockSparse) {
+        return {nullptr, 1, 0, visible};
+    } else {
+        const long long row = mask_slab(params, batch_idx, head_idx) * params.mask_q_blocks + row0 / params.mask_block_q;
+        return sparse_tiles(params.kv_block_index + row * params.mask_k_blocks, params.kv_block_count[row],
+                            params.mask_block_k / kBlockN, 0, visible);
+    }
 }
 
 // Copies a kRows x head_dim tile from global memory into shared memory, widened to Accum and

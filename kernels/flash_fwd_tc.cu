@@ -82,7 +82,7 @@ __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[
 }
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads. Shared memory: Kt::kSmemBytes.
-template <typename Kt, bool kIsCausal>
+template <typename Kt, bool kIsCausal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_tc_kernel(const FwdParams params) {
     using Storage = typename Kt::Storage;
     using Op = typename Kt::Op;
@@ -101,8 +101,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     const int rows_valid = min(Kt::kBlockM, params.seqlen_q - row0);
     const int warp_row0 = row0 + warp * Kt::kWarpRows;
 
-    const int n_block_max =
-        visible_key_blocks<Kt::kBlockN, kIsCausal>(row0, rows_valid, params.seqlen_q, params.seqlen_k);
+    // Key blocks K_j, V_j this query block visits (all that causal leaves visible, or the mask's).
+    const auto key_blocks = key_tiles<Kt::kBlockN, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
 
     const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
@@ -119,18 +119,21 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 #pragma unroll
         for (int h = 0; h < 2; ++h) m[mt][h] = neg_inf<float>(), l[mt][h] = 0.f;
 
-    if (n_block_max > 0) {
+    // (Dense, the first and next tiles are written as the dense kernel always had them: indexing
+    // the dense sequence means the same, yet NVRTC then schedules the whole loop differently.)
+    if (key_blocks.begin < key_blocks.end) {
+        const int first = kIsBlockSparse ? key_blocks[key_blocks.begin] * Kt::kBlockN : 0;
         load_tile_async<Kt, Kt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
-        load_tile_async<Kt, Kt::kBlockN>(sK, k, params.k_row_stride, min(Kt::kBlockN, params.seqlen_k),
-                                         params.head_dim);
+        load_tile_async<Kt, Kt::kBlockN>(sK, k + first * params.k_row_stride, params.k_row_stride,
+                                         min(Kt::kBlockN, params.seqlen_k - first), params.head_dim);
         cp_async_commit();
     }
     const float scale_log2 = static_cast<float>(params.scale_log2);
     // Key tiles right of this first one cross some row's causal diagonal and need the mask.
     const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
 
-    for (int n_block = 0; n_block < n_block_max; ++n_block) {
-        const int col0 = n_block * Kt::kBlockN;
+    for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
+        const int col0 = key_blocks[t] * Kt::kBlockN;
         const int keys_valid = min(Kt::kBlockN, params.seqlen_k - col0);
         cp_async_wait<0>();
         __syncthreads();  // K_j (and Q_i) have landed; every warp is done reading V_{j-1}
@@ -150,8 +153,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
         cp_async_wait<0>();
         __syncthreads();  // V_j has landed; every warp is done reading K_j
-        if (n_block + 1 < n_block_max) {
-            const int next = col0 + Kt::kBlockN;
+        if (t + 1 < key_blocks.end) {
+            const int next = kIsBlockSparse ? key_blocks[t + 1] * Kt::kBlockN : col0 + Kt::kBlockN;
             load_tile_async<Kt, Kt::kBlockN>(sK, k + next * params.k_row_stride, params.k_row_stride,
                                              min(Kt::kBlockN, params.seqlen_k - next), params.head_dim);
         }

@@ -10,16 +10,17 @@ from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, bits, numpy_dtype, random_
 pytestmark = pytest.mark.gpu
 
 
-def assert_matches_reference(q, k, v, out, lse, dtype, causal, scale=None):
+def assert_matches_reference(q, k, v, out, lse, dtype, causal, scale=None, block_mask=None):
     """Tolerance rule: max error <= 2 x that of the same computation in the input precision + floor."""
     q, k, v = (reference._as_float64(x) for x in (q, k, v))  # the exact values the kernel saw
-    ref, ref_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    options = {"causal": causal, "scale": scale, "block_mask": block_mask}
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
     dt = numpy_dtype(dtype)
-    lowp = reference.attention_in_precision(q.astype(dt), k.astype(dt), v.astype(dt), dt, causal=causal, scale=scale)
+    lowp = reference.attention_in_precision(q.astype(dt), k.astype(dt), v.astype(dt), dt, **options)
     out = reference._as_float64(out)
     assert not numpy.isnan(out).any(), "NaN in the output: an element was not written"
     err = numpy.abs(out - ref).max(initial=0.0)
-    magnitude = reference.output_term_magnitude(q, k, v, causal=causal, scale=scale)
+    magnitude = reference.output_term_magnitude(q, k, v, **options)
     bound = reference.error_bound(ref, lowp, dtype, magnitude=magnitude)
     assert err <= bound, f"out: max |error| {err:.3e} > bound {bound:.3e} ({dtype})"
 
@@ -29,7 +30,7 @@ def assert_matches_reference(q, k, v, out, lse, dtype, causal, scale=None):
     finite = numpy.isfinite(ref_lse)
     # lse is float32 whatever the input: the same-precision baseline for it is float32 arithmetic.
     lse_err = numpy.abs(lse[finite] - ref_lse[finite]).max(initial=0.0)
-    lse_lowp = reference.attention_in_precision(q, k, v, numpy.float32, causal=causal, scale=scale, return_lse=True)[1]
+    lse_lowp = reference.attention_in_precision(q, k, v, numpy.float32, return_lse=True, **options)[1]
     lse_bound = reference.error_bound(ref_lse[finite], lse_lowp[finite], "float32")
     assert lse_err <= lse_bound, f"lse: max |error| {lse_err:.3e} > bound {lse_bound:.3e}"
 

@@ -23,7 +23,7 @@ GROUPS = sorted({(k.source_file, k.dtype_name) for k in _instantiations.all_kern
 @pytest.mark.parametrize("source_file,dtype_name", GROUPS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_instantiation_compiles_without_spills(arch, dtype_name, source_file):
-    kernels = [k for k in _instantiations.all_kernels() if k.dtype_name == dtype_name and k.source_file == source_file]
+    kernels = [k for k in _instantiations.all_kernels(arch) if k.dtype_name == dtype_name and k.source_file == source_file]
     assert kernels
     reports = _compile.compile_offline(kernels, arch)
     assert sorted(r.name_expression for r in reports) == sorted(k.name_expression for k in kernels)
@@ -38,18 +38,21 @@ def test_every_instantiation_compiles_without_spills(arch, dtype_name, source_fi
 
 def test_instantiation_list_covers_every_dtype_head_dim_and_causal_setting():
     kernels = _instantiations.all_fwd_kernels()
-    assert len(set(kernels)) == len(kernels) == 4 * len(_instantiations.PADDED_HEAD_DIMS) * 2
+    assert len(set(kernels)) == len(kernels) == 4 * len(_instantiations.PADDED_HEAD_DIMS) * 2 * 2  # causal, block-sparse
     everything = _instantiations.all_kernels()
     assert len(set(everything)) == len(everything)
     for dtype_name in _instantiations.DTYPE_NAMES:
         for d in range(1, 257, 7):
             for causal in (False, True):
-                assert _instantiations.fwd_kernel(dtype_name, d, causal) in everything
-                assert all(k in everything for k in _instantiations.bwd_kernels(dtype_name, d, causal))
+                for sparse in (False, True):
+                    assert _instantiations.fwd_kernel(dtype_name, d, causal, block_sparse=sparse) in everything
+                    assert all(k in everything for k in _instantiations.bwd_kernels(dtype_name, d, causal, block_sparse=sparse))
                 if dtype_name in _instantiations.TENSOR_CORE_DTYPES:
-                    assert _instantiations.fwd_kernel(dtype_name, d, causal, True) in everything
-                    for large in (False, True):
-                        assert all(k in everything for k in _instantiations.bwd_kernels(dtype_name, d, causal, True, large))
+                    for sparse in (False, True):
+                        assert _instantiations.fwd_kernel(dtype_name, d, causal, True, sparse) in everything
+                        for large in (False, True):
+                            pair = _instantiations.bwd_kernels(dtype_name, d, causal, True, large, sparse)
+                            assert all(k in everything for k in pair)
         for step in _instantiations.BWD_ROW_STEPS:
             assert _instantiations.BwdRowKernel(step, dtype_name) in everything
     for d in range(1, 257):
@@ -121,7 +124,7 @@ def test_check_kernels_command(tmp_path):
     cmd = [sys.executable, "-m", "cupyflash", "check-kernels", "--arch", "sm_80", "--dtype", "float64"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "56 of 56 kernel builds compiled; 0 spill" in done.stdout  # 18 forward, 36 + 2 backward
+    assert "110 of 110 kernel builds compiled; 0 spill" in done.stdout  # 36 forward, 72 + 2 backward (dense and block-sparse)
     assert "cupyflash::FwdTraits<double, 256" in done.stdout
     assert "cupyflash::BwdDkdvTraits<double, 256" in done.stdout
 

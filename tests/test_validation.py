@@ -203,3 +203,30 @@ def test_backward_mixed_host_and_device(bwd_args):
         r"q on the host, k on the host, v on the host, out on the host, lse on the GPU",
         dict(bwd_args, lse=FakeDeviceArray()),
     )
+
+
+# --------------------------------------------------------------------------- block-sparse
+
+
+def test_block_mask_errors(qkv):
+    q, k, v = qkv  # seqlen_q 9, seqlen_k 11, batch 2, heads 3, float32, head_dim 16
+    before = [x.copy() for x in (q, k, v)]
+    good = cupyflash.BlockMask(numpy.ones((3, 1, 1), bool))
+    cases = [
+        (numpy.ones((1, 1, 1), bool), TypeError, "block_mask must be a cupyflash.BlockMask"),
+        (cupyflash.BlockMask(numpy.ones((1, 2, 1), bool)), ValueError, r"2 x 1 blocks of 128 x 128.*1 x 1"),
+        (cupyflash.BlockMask(numpy.ones((2, 1, 1), bool)), ValueError, "batch and head axes"),
+        (cupyflash.BlockMask(numpy.ones((3, 1, 1, 1), bool)), ValueError, "batch and head axes"),
+        (cupyflash.BlockMask(numpy.ones((1, 1, 1), bool), 16), ValueError, r"multiple of \(64, 64\)"),
+    ]
+    for mask, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            cupyflash.block_sparse_attention(q, k, v, mask)
+        dout = out = q
+        lse = numpy.zeros((2, 3, 9), numpy.float32)
+        with pytest.raises(exc, match=match):
+            cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
+    for x, x0 in zip((q, k, v), before):
+        numpy.testing.assert_array_equal(x, x0)
+    with pytest.raises(TypeError, match="q must have dtype"):  # the arrays are checked first
+        cupyflash.block_sparse_attention(q.astype(numpy.int32), k, v, good)

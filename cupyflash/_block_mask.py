@@ -1,0 +1,258 @@
+"""BlockMask: which (query block, key block) tiles of the attention matrix block-sparse attention
+computes (FlashAttention, §3.3 and Algorithm 5), and the compressed form its kernels read."""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from cupyflash import _validation
+
+DEFAULT_BLOCK_SIZE = 128
+
+
+class BlockMask:
+    """A block mask for `cupyflash.block_sparse_attention`.
+
+    The seqlen_q x seqlen_k attention matrix is cut into blocks of ``block_size = (block_q,
+    block_k)`` queries x keys; the mask says which blocks are computed. A zero block's keys are
+    hidden from its queries, and the kernels never load its K_j, V_j tiles, so the run time falls
+    with the fraction of nonzero blocks (`density`). The last block of each axis may be cut short
+    by the sequence's end.
+
+    Parameters
+    ----------
+    mask : boolean array, shape (heads or 1, n_q_blocks, n_k_blocks) or (batch or 1, heads or 1,
+        n_q_blocks, n_k_blocks), NumPy or CuPy (copied to the host once)
+        True where a block is computed. A size-1 batch or head axis applies to every batch entry
+        or head. For a call with seqlen_q, seqlen_k: n_q_blocks = ceil(seqlen_q / block_q),
+        n_k_blocks = ceil(seqlen_k / block_k).
+    block_size : int or (int, int)
+        Queries and keys per block, default 128 x 128. Each must be a multiple of 16; on the GPU
+        a multiple of the kernels' tiles for the call's dtype and head_dim (128 always is).
+
+    Stored, besides the boolean mask: per query block, the count and the left-packed ascending
+    indices of its nonzero key blocks (``kv_count``, ``kv_index``; the forward and the
+    deterministic dQ pass walk these), and the transpose, per key block, the query blocks that see
+    it (``q_count``, ``q_index``; the dK/dV pass). Blocks that a causal diagonal cuts through
+    are partial (`partial`): only they get per-element masking; every other nonzero block is full.
+
+    Example: queries 0-255 see keys 0-127, queries 256-299 see keys 128-299::
+
+        >>> m = BlockMask.from_dense(numpy.array([[[1, 0, 0], [0, 1, 1], [0, 1, 1]]], bool))
+        >>> m
+        BlockMask(shape=(1, 3, 3), block_size=(128, 128), nonzero=5 of 9 blocks, density=0.556)
+    """
+
+    def __init__(self, mask, block_size=DEFAULT_BLOCK_SIZE):
+        dense = _validation.check_block_mask_array(mask)
+        self._block_size = _validation.check_block_size(block_size)
+        self._dense = dense
+        self._dense.setflags(write=False)
+        full = dense if dense.ndim == 4 else dense[None]
+        self._mask4 = full
+        self.kv_count, self.kv_index = _compress(full)
+        self.q_count, self.q_index = _compress(full.transpose(0, 1, 3, 2))
+        for array in (self.kv_count, self.kv_index, self.q_count, self.q_index):
+            array.setflags(write=False)
+        self._on_device = {}
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_dense(cls, mask, block_size=DEFAULT_BLOCK_SIZE) -> BlockMask:
+        """The mask of a boolean block array (see the class)."""
+        return cls(mask, block_size)
+
+    @classmethod
+    def from_mask_fn(cls, fn, seqlen_q: int, seqlen_k: int, block_size=DEFAULT_BLOCK_SIZE) -> BlockMask:
+        """The mask whose block (i, j) is ``fn(i, j)``, called once on broadcasting integer arrays
+        of query-block indices (shape (n_q_blocks, 1)) and key-block indices (shape
+        (1, n_k_blocks)); it returns a boolean array broadcastable to (n_q_blocks, n_k_blocks), or
+        (heads, n_q_blocks, n_k_blocks) for a mask per head. Nothing of size seqlen_q x seqlen_k
+        is built. Example, a band of 3 blocks: ``from_mask_fn(lambda i, j: abs(i - j) <= 1, 4096,
+        4096)``."""
+        bq, bk = _validation.check_block_size(block_size)
+        nq, nk = _block_counts(seqlen_q, seqlen_k, bq, bk)
+        i = numpy.arange(nq)[:, None]
+        j = numpy.arange(nk)[None, :]
+        result = numpy.asarray(fn(i, j))
+        if result.dtype != numpy.bool_:
+            raise TypeError(f"fn must return a boolean array, got dtype {result.dtype}")
+        if result.ndim > 3:
+            raise ValueError(f"fn must return at most 3 dimensions (heads, n_q_blocks, n_k_blocks), got {result.shape}")
+        try:
+            result = numpy.broadcast_to(result, result.shape[:-2] + (nq, nk) if result.ndim == 3 else (nq, nk))
+        except ValueError:
+            raise ValueError(f"fn's result of shape {result.shape} does not broadcast to ({nq}, {nk})") from None
+        return cls(result.reshape((result.shape[0] if result.ndim == 3 else 1, nq, nk)).copy(), (bq, bk))
+
+    @classmethod
+    def causal(cls, seqlen_q: int, seqlen_k: int, block_size=DEFAULT_BLOCK_SIZE) -> BlockMask:
+        """The blocks causal attention sees (bottom-right aligned, as `attention`'s causal): block
+        (i, j) is nonzero when some query of block i sees some key of block j. The diagonal
+        blocks are partial; pass causal=True to the call for their per-element mask."""
+        bq, bk = _validation.check_block_size(block_size)
+
+        def visible(i, j):
+            last_row = numpy.minimum((i + 1) * bq, seqlen_q) - 1
+            return j * bk <= last_row + seqlen_k - seqlen_q
+
+        return cls.from_mask_fn(visible, seqlen_q, seqlen_k, (bq, bk))
+
+    @classmethod
+    def local(cls, seqlen_q: int, seqlen_k: int, window: int, block_size=DEFAULT_BLOCK_SIZE) -> BlockMask:
+        """Sliding-window blocks: the blocks holding some key within `window` positions of a
+        query's diagonal position (query i's diagonal is key i + seqlen_k - seqlen_q), on both
+        sides; with causal=True in the call, only the keys before it."""
+        window = _validation.check_count(window, "window")
+        bq, bk = _validation.check_block_size(block_size)
+
+        def near(i, j):
+            offset = seqlen_k - seqlen_q
+            first_diag = i * bq + offset
+            last_diag = numpy.minimum((i + 1) * bq, seqlen_q) - 1 + offset
+            first_key, last_key = j * bk, numpy.minimum((j + 1) * bk, seqlen_k) - 1
+            return (first_key <= last_diag + window) & (last_key >= first_diag - window)
+
+        return cls.from_mask_fn(near, seqlen_q, seqlen_k, (bq, bk))
+
+    @classmethod
+    def strided(cls, seqlen_q: int, seqlen_k: int, stride: int, block_size=DEFAULT_BLOCK_SIZE) -> BlockMask:
+        """The Sparse Transformer's strided pattern (Child et al., 2019) on blocks, `stride` in
+        blocks: block (i, j) is nonzero when key block j is within stride - 1 blocks of query
+        block i's diagonal block d(i) (the "local" head) or |d(i) - j| is a multiple of stride (the
+        "strided" head). With causal=True in the call, only the blocks left of the diagonal."""
+        stride = _validation.check_count(stride, "stride", minimum=1)
+        bq, bk = _validation.check_block_size(block_size)
+
+        def pattern(i, j):
+            diag = numpy.clip((numpy.minimum((i + 1) * bq, seqlen_q) - 1 + seqlen_k - seqlen_q) // bk, 0, None)
+            distance = numpy.abs(diag - j)
+            return (distance < stride) | (distance % stride == 0)
+
+        return cls.from_mask_fn(pattern, seqlen_q, seqlen_k, (bq, bk))
+
+    @classmethod
+    def bigbird(
+        cls, seqlen_q: int, seqlen_k: int, window: int, n_global: int, n_random: int, seed=0,
+        block_size=DEFAULT_BLOCK_SIZE, heads: int = 1,
+    ) -> BlockMask:
+        """BigBird's pattern (Zaheer et al., 2020) on blocks: each query block i sees the key
+        blocks within `window` blocks of its diagonal block, the first `n_global` key blocks,
+        and `n_random` other key blocks drawn per query block and head from
+        ``numpy.random.default_rng(seed)``; the first `n_global` query blocks see every key
+        block. Shape (heads, n_q_blocks, n_k_blocks)."""
+        window = _validation.check_count(window, "window")
+        n_global = _validation.check_count(n_global, "n_global")
+        n_random = _validation.check_count(n_random, "n_random")
+        heads = _validation.check_count(heads, "heads", minimum=1)
+        bq, bk = _validation.check_block_size(block_size)
+        nq, nk = _block_counts(seqlen_q, seqlen_k, bq, bk)
+        i = numpy.arange(nq)[:, None]
+        j = numpy.arange(nk)[None, :]
+        diag = numpy.clip((numpy.minimum((i + 1) * bq, seqlen_q) - 1 + seqlen_k - seqlen_q) // bk, 0, None)
+        fixed = (numpy.abs(diag - j) <= window) | (j < n_global) | (i < n_global)
+        mask = numpy.broadcast_to(fixed, (heads, nq, nk)).copy()
+        rng = numpy.random.default_rng(seed)
+        for h in range(heads):
+            for row in range(nq):
+                free = numpy.flatnonzero(~mask[h, row])
+                if n_random and free.size:
+                    mask[h, row, rng.choice(free, size=min(n_random, free.size), replace=False)] = True
+        return cls(mask, (bq, bk))
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def shape(self) -> tuple:
+        """The boolean mask's shape, as given: (heads, n_q_blocks, n_k_blocks) or with batch first."""
+        return self._dense.shape
+
+    @property
+    def block_size(self) -> tuple[int, int]:
+        return self._block_size
+
+    @property
+    def nonzero(self) -> int:
+        """Number of nonzero blocks."""
+        return int(self.kv_count.sum())
+
+    @property
+    def density(self) -> float:
+        """Fraction of nonzero blocks (0 for an empty mask)."""
+        return self.nonzero / self._dense.size if self._dense.size else 0.0
+
+    def to_dense(self) -> numpy.ndarray:
+        """The boolean block mask (a NumPy copy), in the shape it was given."""
+        return self._dense.copy()
+
+    def partial(self, seqlen_q: int, seqlen_k: int) -> numpy.ndarray:
+        """Boolean, the mask's shape: the nonzero blocks that causal attention's diagonal
+        (bottom-right aligned) cuts through, which get a per-element mask under causal=True. The
+        rest of the nonzero blocks are full, or wholly hidden by causal and skipped."""
+        bq, bk = self._block_size
+        nq, nk = self._dense.shape[-2:]
+        i = numpy.arange(nq)[:, None]
+        j = numpy.arange(nk)[None, :]
+        offset = seqlen_k - seqlen_q
+        first_row_last_key = i * bq + offset
+        last_row_last_key = numpy.minimum((i + 1) * bq, seqlen_q) - 1 + offset
+        last_key = numpy.minimum((j + 1) * bk, seqlen_k) - 1
+        cut = (last_key > first_row_last_key) & (j * bk <= last_row_last_key)
+        return self._dense & cut
+
+    def element_mask(self, seqlen_q: int, seqlen_k: int) -> numpy.ndarray:
+        """The mask expanded to elements: boolean (batch or 1, heads or 1, seqlen_q, seqlen_k),
+        True where key j is visible to query i. For references and tests (it is O(seqlen^2))."""
+        bq, bk = self._block_size
+        expanded = numpy.repeat(numpy.repeat(self._mask4, bq, axis=-2), bk, axis=-1)
+        return expanded[..., :seqlen_q, :seqlen_k]
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockMask(shape={self.shape}, block_size={self._block_size}, "
+            f"nonzero={self.nonzero} of {self._dense.size} blocks, density={self.density:.3g})"
+        )
+
+    # ------------------------------------------------------------------ for the kernels
+
+    @property
+    def mask_batch(self) -> int:
+        return self._mask4.shape[0]
+
+    @property
+    def mask_heads(self) -> int:
+        return self._mask4.shape[1]
+
+    @property
+    def blocks(self) -> tuple[int, int]:
+        """(n_q_blocks, n_k_blocks)."""
+        return self._mask4.shape[2], self._mask4.shape[3]
+
+    def device_arrays(self, device_id: int) -> tuple:
+        """kv_count, kv_index, q_count, q_index as CuPy int32 arrays on the device (copied once)."""
+        if device_id not in self._on_device:
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                arrays = (self.kv_count, self.kv_index, self.q_count, self.q_index)
+                self._on_device[device_id] = tuple(cupy.asarray(x) for x in arrays)
+        return self._on_device[device_id]
+
+
+def _compress(mask4: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """Per row of the last two axes: the count of True entries and their ascending indices,
+    left-packed (the rest -1). int32, C-contiguous."""
+    cols = mask4.shape[-1]
+    count = mask4.sum(axis=-1, dtype=numpy.int32)
+    order = numpy.argsort(~mask4, axis=-1, kind="stable").astype(numpy.int32)
+    index = numpy.where(numpy.arange(cols, dtype=numpy.int32) < count[..., None], order, numpy.int32(-1))
+    return numpy.ascontiguousarray(count), numpy.ascontiguousarray(index, dtype=numpy.int32)
+
+
+def _block_counts(seqlen_q: int, seqlen_k: int, block_q: int, block_k: int) -> tuple[int, int]:
+    seqlen_q = _validation.check_count(seqlen_q, "seqlen_q")
+    seqlen_k = _validation.check_count(seqlen_k, "seqlen_k")
+    return math.ceil(seqlen_q / block_q), math.ceil(seqlen_k / block_k)

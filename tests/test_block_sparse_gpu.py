@@ -1,0 +1,161 @@
+"""Block-sparse attention on the GPU (marker `gpu`): forward and backward against the float64
+block-sparse reference under the tolerance rule, on the fast (tensor-core) and scalar paths."""
+
+import math
+
+import numpy
+import pytest
+
+import cupyflash
+from cupyflash import BlockMask, _attention, reference
+from shapes import DTYPES, bits, random_qkv
+from test_attention_gpu import assert_matches_reference
+from test_backward_gpu import assert_gradients_match_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def run_block_sparse(rng, dtype, shape, mask, causal, deterministic=False, grads=True):
+    import cupy
+
+    batch, seqlen_q, seqlen_k, heads, head_dim = shape
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, batch, seqlen_q, seqlen_k, heads, head_dim))
+    out, lse = cupyflash.block_sparse_attention(q, k, v, mask, causal=causal, return_lse=True)
+    assert_matches_reference(q, k, v, out, lse, dtype, causal, block_mask=mask)
+    if not grads:
+        return
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    g = cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask, causal=causal, deterministic=deterministic)
+    assert_gradients_match_reference(dout, q, k, v, g, dtype, causal, block_mask=mask)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("density", [0.0, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_masks(rng, nan_outputs, dtype, density, causal, deterministic):
+    # seqlens that end inside their last block, seqlen_q != seqlen_k, a head dim that is padded;
+    # a mask per head, so the heads walk different blocks.
+    seqlen_q, seqlen_k, heads = 517, 300, 3
+    mask = BlockMask(rng.random((heads, math.ceil(seqlen_q / 128), math.ceil(seqlen_k / 128))) < density)
+    run_block_sparse(rng, dtype, (2, seqlen_q, seqlen_k, heads, 59), mask, causal, deterministic)
+
+
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 96, 128, 200, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_every_head_dim_class(rng, nan_outputs, dtype, head_dim):
+    mask = BlockMask.local(700, 700, window=150)
+    run_block_sparse(rng, dtype, (1, 700, 700, 2, head_dim), mask, causal=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_batch_masks_block_sizes_and_rows_with_no_key(rng, nan_outputs, dtype):
+    # A mask per batch entry (heads broadcast), blocks of 256 x 128, and query blocks with no key.
+    dense = rng.random((2, 1, 3, 5)) < 0.5
+    dense[0, 0, 1] = False
+    mask = BlockMask(dense, (256, 128))
+    run_block_sparse(rng, dtype, (2, 600, 577, 2, 64), mask, causal=False)
+    for constructor in (BlockMask.strided(600, 577, 2), BlockMask.bigbird(600, 577, 0, 1, 1, seed=3, heads=2)):
+        run_block_sparse(rng, dtype, (2, 600, 577, 2, 64), constructor, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_full_mask_is_bitwise_dense_attention(rng, dtype):
+    """With every block nonzero the kernels take the same tiles in the same order as dense
+    attention: the same bits (dq in deterministic mode; the atomic dq's order varies). Head dim
+    59 (padded to 64), where the block-sparse kernels have the dense kernels' tiles (at d65-128
+    the 16-bit forward's differ, `tc_fwd_tile_shape`)."""
+    import cupy
+
+    from cupyflash import _instantiations
+
+    assert _instantiations.tc_fwd_tile_shape(64, True) == _instantiations.tc_fwd_tile_shape(64)
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 333, 517, 2, 59))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    mask = BlockMask(numpy.ones((1, 3, 5), bool))
+    for causal in (False, True):
+        dense = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+        sparse = cupyflash.block_sparse_attention(q, k, v, mask, causal=causal, return_lse=True)
+        for a, b in zip(dense, sparse):
+            assert bool((bits(a) == bits(b)).all())
+        for deterministic in (False, True):
+            want = cupyflash.attention_backward(dout, q, k, v, *dense, causal=causal, deterministic=deterministic)
+            got = cupyflash.block_sparse_attention_backward(
+                dout, q, k, v, *dense, mask, causal=causal, deterministic=deterministic
+            )
+            for name, a, b in list(zip("qkv", want, got))[0 if deterministic else 1 :]:
+                assert bool((bits(a) == bits(b)).all()), f"d{name}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+def test_empty_mask(rng, nan_outputs, dtype):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 1, 200, 300, 2, 32))
+    mask = BlockMask(numpy.zeros((1, 2, 3), bool))
+    out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+    assert bool((out == 0).all()) and bool(cupy.isneginf(lse).all())
+    grads = cupyflash.block_sparse_attention_backward(cupy.ones_like(out), q, k, v, out, lse, mask)
+    assert all(bool((g == 0).all()) for g in grads)
+
+
+def test_scalar_and_tensor_core_paths_agree(rng):
+    """16-bit inputs forced onto the scalar kernels walk the same blocks."""
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float16", 1, 400, 400, 2, 64))
+    mask = BlockMask(rng.random((2, 4, 4)) < 0.5)
+    p = _attention._validation.check_attention_args(q, k, v, causal=True, scale=None, return_lse=True)
+    p = _attention._validation.check_block_mask(mask, p)
+    for tensor_cores in (False, True):
+        out = cupy.full(q.shape, numpy.nan, q.dtype)
+        lse = cupy.full((1, 2, 400), numpy.nan, numpy.float32)
+        _attention.launch_forward(q, k, v, out, lse, p, tensor_cores=tensor_cores)
+        assert_matches_reference(q, k, v, out, lse, "float16", True, block_mask=mask)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_torch_adapter(rng, deterministic):
+    """The adapter runs the block-sparse kernels: the same bits as the direct calls (dq only in
+    deterministic mode, the atomic dq's order varies), and gradients within the tolerance rule."""
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch
+
+    q, k, v = (torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = BlockMask(rng.random((2, 3, 3)) < 0.6)
+    out = cupyflash.torch.attention(q, k, v, causal=True, block_mask=mask, deterministic=deterministic)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    inputs = [x.detach() for x in (dout, q, k, v)]
+    want = cupyflash.block_sparse_attention(*inputs[1:], mask, causal=True, return_lse=True)
+    assert torch.equal(out, want[0])
+    grads = cupyflash.block_sparse_attention_backward(*inputs, *want, mask, causal=True, deterministic=deterministic)
+    for name, x, g in list(zip("qkv", (q, k, v), grads))[0 if deterministic else 1 :]:
+        assert torch.equal(x.grad, g), f"d{name}"
+    as_numpy = [x.float().cpu().numpy() for x in (*inputs, q.grad, k.grad, v.grad)]  # bfloat16 values exactly
+    assert_gradients_match_reference(*as_numpy[:4], as_numpy[4:], "bfloat16", True, block_mask=mask)
+
+
+def test_jax_adapter(rng):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cupyflash.jax
+
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, "float32", 1, 300, 260, 2, 32))
+    mask = BlockMask(rng.random((1, 3, 3)) < 0.6)
+    loss = jax.jit(lambda q, k, v: cupyflash.jax.attention(q, k, v, block_mask=mask, deterministic=True).sum())
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    qn, kn, vn = (numpy.asarray(x) for x in (q, k, v))
+    out, lse = cupyflash.block_sparse_attention(qn, kn, vn, mask, return_lse=True)
+    want = cupyflash.block_sparse_attention_backward(numpy.ones_like(out), qn, kn, vn, out, lse, mask, deterministic=True)
+    for g, w in zip(grads, want):
+        numpy.testing.assert_array_equal(numpy.asarray(g), w)
+
+
+def test_numpy_in_numpy_out(rng):
+    q, k, v = random_qkv(rng, "float32", 1, 300, 300, 2, 16)
+    mask = BlockMask.causal(300, 300)
+    out = cupyflash.block_sparse_attention(q, k, v, mask, causal=True)
+    assert isinstance(out, numpy.ndarray) and out.dtype == numpy.float32
+    numpy.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), rtol=2e-5, atol=2e-6)
