@@ -29,8 +29,9 @@ class BlockMask:
         or head. For a call with seqlen_q, seqlen_k: n_q_blocks = ceil(seqlen_q / block_q),
         n_k_blocks = ceil(seqlen_k / block_k).
     block_size : int or (int, int)
-        Queries and keys per block, default 128 x 128. Each must be a multiple of 16; on the GPU
-        a multiple of the kernels' tiles for the call's dtype and head_dim (128 always is).
+        Queries and keys per block, default 128 x 128. Each must be a multiple of 16, and for a
+        call a multiple of the kernels' tiles for its dtype and head_dim (128 always is; checked
+        on every path, the CPU fallback included, so a mask works the same everywhere).
 
     Stored, besides the boolean mask: per query block, the count and the left-packed ascending
     indices of its nonzero key blocks (``kv_count``, ``kv_index``; the forward and the
