@@ -53,6 +53,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
     // Rows of this block whose causal diagonal falls left of a key tile need per-element masks.
     const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
+    // n_block is the tile of position t, read a step ahead: block-sparse, the next index's load
+    // then overlaps this tile's work (and the loop needs one register less than indexing twice).
     int n_block = key_blocks.begin < key_blocks.end ? key_blocks[key_blocks.begin] : 0;
     for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
         const int col0 = n_block * Kt::kBlockN;
