@@ -60,13 +60,10 @@ def make_mask(pattern: str, density: float, seqlen: int, heads: int, rng):
         ranks = numpy.argsort(numpy.argsort(rng.random((heads, n, n)), axis=-1), axis=-1)
         return BlockMask(ranks < rng.permutation(per_row)[:, None])
 
-    def band(width):
-        return lambda i, j: abs(i - j) <= width
-
     # The band of key blocks around the diagonal whose density is nearest the target.
-    widths = range(n)
-    width = min(widths, key=lambda w: abs(BlockMask.from_mask_fn(band(w), seqlen, seqlen).density - density))
-    return BlockMask.from_mask_fn(band(width), seqlen, seqlen)
+    distance = numpy.abs(numpy.arange(n)[:, None] - numpy.arange(n)[None, :])
+    width = min(range(n), key=lambda w: abs((distance <= w).mean() - density))
+    return BlockMask.from_mask_fn(lambda i, j: abs(i - j) <= width, seqlen, seqlen)
 
 
 # --------------------------------------------------------------------------- correctness

@@ -97,8 +97,7 @@ class BlockMask:
         bq, bk = _validation.check_block_size(block_size)
 
         def visible(i, j):
-            last_row = numpy.minimum((i + 1) * bq, seqlen_q) - 1
-            return j * bk <= last_row + seqlen_k - seqlen_q
+            return j * bk <= _last_diagonal_key(i, bq, seqlen_q, seqlen_k)
 
         return cls.from_mask_fn(visible, seqlen_q, seqlen_k, (bq, bk))
 
@@ -111,9 +110,8 @@ class BlockMask:
         bq, bk = _validation.check_block_size(block_size)
 
         def near(i, j):
-            offset = seqlen_k - seqlen_q
-            first_diag = i * bq + offset
-            last_diag = numpy.minimum((i + 1) * bq, seqlen_q) - 1 + offset
+            first_diag = i * bq + seqlen_k - seqlen_q
+            last_diag = _last_diagonal_key(i, bq, seqlen_q, seqlen_k)
             first_key, last_key = j * bk, numpy.minimum((j + 1) * bk, seqlen_k) - 1
             return (first_key <= last_diag + window) & (last_key >= first_diag - window)
 
@@ -129,8 +127,7 @@ class BlockMask:
         bq, bk = _validation.check_block_size(block_size)
 
         def pattern(i, j):
-            diag = numpy.clip((numpy.minimum((i + 1) * bq, seqlen_q) - 1 + seqlen_k - seqlen_q) // bk, 0, None)
-            distance = numpy.abs(diag - j)
+            distance = numpy.abs(_diagonal_block(i, bq, bk, seqlen_q, seqlen_k) - j)
             return (distance < stride) | (distance % stride == 0)
 
         return cls.from_mask_fn(pattern, seqlen_q, seqlen_k, (bq, bk))
@@ -153,8 +150,7 @@ class BlockMask:
         nq, nk = _block_counts(seqlen_q, seqlen_k, bq, bk)
         i = numpy.arange(nq)[:, None]
         j = numpy.arange(nk)[None, :]
-        diag = numpy.clip((numpy.minimum((i + 1) * bq, seqlen_q) - 1 + seqlen_k - seqlen_q) // bk, 0, None)
-        fixed = (numpy.abs(diag - j) <= window) | (j < n_global) | (i < n_global)
+        fixed = (numpy.abs(_diagonal_block(i, bq, bk, seqlen_q, seqlen_k) - j) <= window) | (j < n_global) | (i < n_global)
         mask = numpy.broadcast_to(fixed, (heads, nq, nk)).copy()
         rng = numpy.random.default_rng(seed)
         for h in range(heads):
@@ -197,9 +193,8 @@ class BlockMask:
         nq, nk = self._dense.shape[-2:]
         i = numpy.arange(nq)[:, None]
         j = numpy.arange(nk)[None, :]
-        offset = seqlen_k - seqlen_q
-        first_row_last_key = i * bq + offset
-        last_row_last_key = numpy.minimum((i + 1) * bq, seqlen_q) - 1 + offset
+        first_row_last_key = i * bq + seqlen_k - seqlen_q
+        last_row_last_key = _last_diagonal_key(i, bq, seqlen_q, seqlen_k)
         last_key = numpy.minimum((j + 1) * bk, seqlen_k) - 1
         cut = (last_key > first_row_last_key) & (j * bk <= last_row_last_key)
         return self._dense & cut
@@ -241,6 +236,17 @@ class BlockMask:
                 arrays = (self.kv_count, self.kv_index, self.q_count, self.q_index)
                 self._on_device[device_id] = tuple(cupy.asarray(x) for x in arrays)
         return self._on_device[device_id]
+
+
+def _last_diagonal_key(i, block_q: int, seqlen_q: int, seqlen_k: int):
+    """The diagonal key (bottom-right aligned) of the last query of query block i: the last key
+    causal lets that block see."""
+    return numpy.minimum((i + 1) * block_q, seqlen_q) - 1 + seqlen_k - seqlen_q
+
+
+def _diagonal_block(i, block_q: int, block_k: int, seqlen_q: int, seqlen_k: int):
+    """The key block holding query block i's last diagonal key (0 where that key is negative)."""
+    return numpy.clip(_last_diagonal_key(i, block_q, seqlen_q, seqlen_k) // block_k, 0, None)
 
 
 def _compress(mask4: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:

@@ -12,6 +12,7 @@ drift apart silently.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -311,6 +312,7 @@ def bwd_kernels(
     return BwdDkdvKernel(dtype_name, d, causal, block_sparse=sparse), BwdDqKernel(dtype_name, d, causal, block_sparse=sparse)
 
 
+@functools.cache  # on every block-sparse call's path; it depends only on these two values
 def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
     """(queries, keys): what a block mask's block size must be a multiple of for this dtype and
     head dim, the largest tile of every kernel that may run it (scalar and tensor-core, either
