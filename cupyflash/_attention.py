@@ -18,7 +18,7 @@ def gpu_available() -> bool:
     return bool(cupy.cuda.is_available())
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=None):
     """Exact softmax attention, computed with FlashAttention-2's tiled online softmax.
 
     out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h]) v[b, j, h]
@@ -26,12 +26,15 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     Parameters
     ----------
     q : array, shape (batch, seqlen_q, heads, head_dim)
-    k, v : arrays, shape (batch, seqlen_k, heads, head_dim)
+    k, v : arrays, shape (batch, seqlen_k, heads_kv, head_dim)
         NumPy arrays, CuPy arrays, or GPU arrays of any framework with ``__dlpack__`` (PyTorch,
         JAX). Any strides are accepted as long as the head_dim axis is contiguous, so a
         (batch, heads, seq, head_dim) tensor ``x`` passes as ``x.transpose(0, 2, 1, 3)`` (torch:
         ``x.transpose(1, 2)``) with no copy. dtype float16, bfloat16 (``ml_dtypes.bfloat16``),
         float32 or float64, the same for all three; head_dim any value from 1 to 256.
+        heads_kv = heads is multi-head attention; a divisor of heads is grouped-query attention
+        (GQA; heads_kv = 1: multi-query, MQA): query head h attends with K/V head
+        ``h // (heads // heads_kv)``, read in place (never repeated in memory).
     causal : bool
         Mask key j for query i when ``j > i + (seqlen_k - seqlen_q)``: the diagonal is aligned to
         the bottom-right corner of the score matrix, as in FlashAttention-2. With seqlen_q = 2 and
@@ -53,6 +56,14 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
         Also return lse, of shape (batch, heads, seqlen_q), float32 (float64 for float64
         inputs): the natural-log log-sum-exp of each row's scaled, masked scores, which
         `attention_backward` needs.
+    window : (left, right), optional
+        Sliding-window (local) attention: query i sees keys j with
+        ``i + (seqlen_k - seqlen_q) - left <= j <= i + (seqlen_k - seqlen_q) + right``, the
+        band aligned bottom-right as causal is. Each side is an int >= 0, or None (or -1, as
+        flash-attn spells it) for unbounded. With causal=True both apply (right becomes 0):
+        ``causal=True, window=(255, None)`` lets each query see itself and the 255 keys before
+        it. Key blocks outside the band are skipped, so the time is proportional to the band's
+        width, not to seqlen_k.
 
     Returns
     -------
@@ -90,10 +101,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
-    return _attention(q, k, v, causal, scale, return_lse, None)
+    return _attention(q, k, v, causal, scale, return_lse, None, window)
 
 
-def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, return_lse=False):
+def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, return_lse=False, window=None):
     """Block-sparse FlashAttention (FlashAttention, §3.3, Algorithm 5): `attention` restricted to
     the nonzero blocks of `block_mask`.
 
@@ -106,7 +117,8 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, ret
 
     Parameters
     ----------
-    q, k, v, causal, scale, return_lse : as `attention`
+    q, k, v, causal, scale, return_lse, window : as `attention` (a window applies on top of
+        the mask: a key is visible when both keep it)
     block_mask : cupyflash.BlockMask
         Of shape (heads or 1, ceil(seqlen_q / block_q), ceil(seqlen_k / block_k)), optionally
         with a leading batch axis (batch or 1). Its block size must be a whole number of the
@@ -127,16 +139,16 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, ret
     >>> out.shape
     (1, 256, 2, 16)
     """
-    return _attention(q, k, v, causal, scale, return_lse, block_mask)
+    return _attention(q, k, v, causal, scale, return_lse, block_mask, window)
 
 
-def _attention(q, k, v, causal, scale, return_lse, block_mask):
+def _attention(q, k, v, causal, scale, return_lse, block_mask, window=None):
     given = {"q": q, "k": k, "v": v}
     origins = {name: _arrays.classify(x, name) for name, x in given.items()}
     _arrays.check_placement(origins)
     arrays = {name: _arrays.ingest(x, origins[name], name) for name, x in given.items()}
     problem = _validation.check_attention_args(
-        arrays["q"], arrays["k"], arrays["v"], causal=causal, scale=scale, return_lse=return_lse
+        arrays["q"], arrays["k"], arrays["v"], causal=causal, scale=scale, return_lse=return_lse, window=window
     )
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem)
@@ -158,7 +170,7 @@ def _attention(q, k, v, causal, scale, return_lse, block_mask):
 
 def _forward_cpu(q, k, v, p: _validation.AttentionProblem):
     out, lse = reference.tiled_attention(
-        q, k, v, causal=p.causal, scale=p.scale, return_lse=True, block_mask=p.block_mask
+        q, k, v, causal=p.causal, scale=p.scale, return_lse=True, block_mask=p.block_mask, window=p.window
     )
     return out.astype(q.dtype), lse.astype(_validation.lse_dtype(p.dtype_name))
 
@@ -195,6 +207,8 @@ def _problem_fields(fields: dict, p: _validation.AttentionProblem, device_id: in
     fields["seqlen_q"] = p.seqlen_q
     fields["seqlen_k"] = p.seqlen_k
     fields["head_dim"] = p.head_dim
+    fields["kv_group"] = p.kv_group
+    fields["band_first"], fields["band_last"] = p.kernel_band()
     fields["scale_log2"] = p.scale * reference.LOG2E
     _mask_fields(fields, p.block_mask, device_id)
 
@@ -266,7 +280,7 @@ def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores
     it, unless tensor_cores=False."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
-    return _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.causal, tensor_cores, p.block_mask is not None)
+    return _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None)
 
 
 def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=None, tensor_cores=None) -> None:
@@ -286,7 +300,7 @@ def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=No
 # --------------------------------------------------------------------------- backward
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic=False):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic=False, window=None):
     """Gradients of attention: FlashAttention-2's backward pass, recomputing P from the saved lse.
 
     Given dout = dL/d(out) for ``out, lse = attention(q, k, v, causal=..., scale=...,
@@ -298,10 +312,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, det
     Parameters
     ----------
     dout, out : arrays with q's shape (batch, seqlen_q, heads, head_dim) and dtype
-    q, k, v : the forward's inputs, as in `attention` (any strides with a contiguous head_dim)
+    q, k, v : the forward's inputs, as in `attention` (any strides with a contiguous head_dim;
+        k, v with heads_kv heads for GQA/MQA)
     lse : array, shape (batch, heads, seqlen_q), float32 (float64 for float64 inputs)
         The forward's log-sum-exp; any strides.
-    causal, scale : as given to the forward (same bottom-right causal alignment)
+    causal, scale, window : as given to the forward (same bottom-right alignment)
     deterministic : bool
         False (default): dq is summed across key blocks with float32 atomic adds, whose order
         varies, so the last bits of dq can differ from run to run. True: dq comes from a
@@ -312,7 +327,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, det
     Returns
     -------
     (dq, dk, dv) with the shapes and dtype of q, k, v, in the caller's array type (as
-    `attention`). Rows that see no key get dq = 0 and contribute nothing to dk and dv.
+    `attention`). Rows that see no key get dq = 0 and contribute nothing to dk and dv. With
+    GQA/MQA, dk and dv of a K/V head are summed over its group of query heads on chip (float32),
+    in a fixed order: no expanded copy, and no atomics.
     Precision: every product accumulates in float32 for 16-bit and float32 inputs, float64 for
     float64; each gradient is rounded once to the input dtype. On tensor cores (16-bit inputs,
     sm_80+) P and dS are rounded to the input dtype before they enter a product, as in
@@ -333,11 +350,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, det
     >>> dq.shape, dk.dtype
     ((1, 5, 2, 16), dtype('float32'))
     """
-    return _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, None)
+    return _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, None, window)
 
 
 def block_sparse_attention_backward(
-    dout, q, k, v, out, lse, block_mask, *, causal=False, scale=None, deterministic=False
+    dout, q, k, v, out, lse, block_mask, *, causal=False, scale=None, deterministic=False, window=None
 ):
     """Gradients of `block_sparse_attention`: `attention_backward` over the nonzero blocks of
     `block_mask` only (pass the mask and options the forward had). The dK/dV pass walks, per key
@@ -345,16 +362,16 @@ def block_sparse_attention_backward(
     over each mask row) likewise skip zero blocks. Keys that no query sees get dk = dv = 0; rows
     that see no key get dq = 0. Arguments, results and errors as `attention_backward`, and the
     mask as `block_sparse_attention`."""
-    return _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask)
+    return _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window)
 
 
-def _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask):
+def _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window=None):
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     origins = {name: _arrays.classify(x, name) for name, x in given.items()}
     _arrays.check_placement(origins)
     arrays = {name: _arrays.ingest(x, origins[name], name) for name, x in given.items()}
     problem = _validation.check_backward_args(
-        *arrays.values(), causal=causal, scale=scale, deterministic=deterministic
+        *arrays.values(), causal=causal, scale=scale, deterministic=deterministic, window=window
     )
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem)
@@ -371,7 +388,7 @@ def _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, b
 
 def _backward_cpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
     grads = reference.tiled_attention_backward(
-        dout, q, k, v, out, lse, causal=p.causal, scale=p.scale, block_mask=p.block_mask
+        dout, q, k, v, out, lse, causal=p.causal, scale=p.scale, block_mask=p.block_mask, window=p.window
     )
     return tuple(g.astype(q.dtype) for g in grads)
 
@@ -390,7 +407,7 @@ def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cor
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
     return _instantiations.bwd_kernels(
-        p.dtype_name, p.head_dim, p.causal, tensor_cores, large_shared_memory(device_id), p.block_mask is not None
+        p.dtype_name, p.head_dim, p.local, tensor_cores, large_shared_memory(device_id), p.block_mask is not None
     )
 
 
@@ -420,7 +437,7 @@ def launch_backward(
     params = _params(_instantiations.BWD_PARAMS_DTYPE, fields)
 
     def launch(kernel):
-        grid = kernel.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k)
+        grid = kernel.grid(p.batch, p.heads // p.kv_group if kernel.per_kv_head else p.heads, p.seqlen_q, p.seqlen_k)
         if grid[0] > 0:  # seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do
             _launch(kernel, device_id, grid, params)
 

@@ -74,9 +74,12 @@ def padded_head_dim(head_dim: int) -> int:
 class _TiledKernel:
     """What the tiled kernels share. Their traits' template arguments are the element type, the
     padded head dim and the tile shape's fields in declaration order; the kernel's are the traits,
-    causal and block_sparse (the block-sparse instantiation walks a block mask's lists; the dense
-    one compiles to the same code as before block-sparse attention existed). Subclasses give
+    local and block_sparse. local: the instantiation that skips and masks outside a band of keys
+    (causal, sliding-window attention, both); block_sparse: the one that walks a block mask's
+    lists (the dense one compiles to the same code as before block-sparse attention existed). Subclasses give
     source_file, kernel_name, traits_name, tile, smem_bytes, grid and a block_sparse field."""
+
+    per_kv_head = False  # grid over query heads (True: over K/V heads, the dK/dV kernels)
 
     @property
     def num_threads(self) -> int:
@@ -89,7 +92,7 @@ class _TiledKernel:
 
     @property
     def name_expression(self) -> str:
-        flags = ", ".join("true" if flag else "false" for flag in (self.causal, self.block_sparse))
+        flags = ", ".join("true" if flag else "false" for flag in (self.local, self.block_sparse))
         return f"cupyflash::{self.kernel_name}<{self.traits}, {flags}>"
 
     def host_checks(self) -> str:
@@ -106,7 +109,7 @@ class FwdKernel(_TiledKernel):
 
     dtype_name: str
     head_dim: int  # padded
-    causal: bool
+    local: bool
     tile_override: TileShape | None = None  # for tuning experiments; None: the traits table
     block_sparse: bool = False
 
@@ -135,12 +138,13 @@ def _row_stride(dtype_name: str, columns: int) -> int:
     return columns + 16 // accum_itemsize(dtype_name)
 
 
-def fwd_kernel(dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False, block_sparse: bool = False):
+def fwd_kernel(dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, block_sparse: bool = False):
     """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), else
-    FwdKernel; its block-sparse instantiation with block_sparse."""
+    FwdKernel; its local instantiation for causal or windowed attention, its block-sparse one with
+    block_sparse."""
     _check_tensor_core_dtype(dtype_name, tensor_cores)
     kind = TcFwdKernel if tensor_cores else FwdKernel
-    return kind(dtype_name, padded_head_dim(head_dim), bool(causal), block_sparse=bool(block_sparse))
+    return kind(dtype_name, padded_head_dim(head_dim), bool(local), block_sparse=bool(block_sparse))
 
 
 def _check_tensor_core_dtype(dtype_name: str, tensor_cores: bool) -> None:
@@ -150,10 +154,10 @@ def _check_tensor_core_dtype(dtype_name: str, tensor_cores: bool) -> None:
 
 def all_fwd_kernels() -> list[FwdKernel]:
     return [
-        FwdKernel(dtype_name, d, causal, block_sparse=sparse)
+        FwdKernel(dtype_name, d, local, block_sparse=sparse)
         for dtype_name in DTYPE_NAMES
         for d in PADDED_HEAD_DIMS
-        for causal in (False, True)
+        for local in (False, True)
         for sparse in (False, True)
     ]
 
@@ -174,11 +178,13 @@ class DkdvTileShape:
 # The dK/dV kernel keeps K_j, V_j, Q_i, dO_i and three score-sized tiles in shared memory and
 # dK_j, dV_j in registers, so its tiles are smaller than the forward's. Chosen to fit an A100's
 # 163 KiB without spills (`python -m cupyflash check-kernels`); not yet tuned by a sweep.
-def dkdv_tile_shape(dtype_name: str, padded_head_dim: int) -> DkdvTileShape:
+def dkdv_tile_shape(dtype_name: str, padded_head_dim: int, block_sparse: bool = False) -> DkdvTileShape:
+    """block_sparse: at d64 the block-sparse kernel's tile walk does not fit in the 128 registers
+    two blocks per SM leave (16-24 bytes of spills at sm_80 and sm_90a): one block per SM."""
     if accum_itemsize(dtype_name) == 4:
         if padded_head_dim <= 64:
             dq_rows = 2 if padded_head_dim < 32 else 4  # dQ's 32 column groups need head_dim >= 32
-            return DkdvTileShape(32, 64, 8, 4, dq_rows, min_blocks_per_sm=2)
+            return DkdvTileShape(32, 64, 8, 4, dq_rows, min_blocks_per_sm=1 if block_sparse else 2)
         if padded_head_dim <= 128:
             return DkdvTileShape(32, 64, 8, 4, 4, min_blocks_per_sm=1)
         return DkdvTileShape(32, 32, 8, 4, 4, min_blocks_per_sm=1)
@@ -210,16 +216,17 @@ class BwdDkdvKernel(_TiledKernel):
 
     dtype_name: str
     head_dim: int  # padded
-    causal: bool
+    local: bool
     block_sparse: bool = False
 
     source_file = "flash_bwd.cu"
     kernel_name = "flash_bwd_dkdv_kernel"
     traits_name = "BwdDkdvTraits"
+    per_kv_head = True  # its grid's heads are K/V heads; each block walks its group's query heads
 
     @property
     def tile(self) -> DkdvTileShape:
-        return dkdv_tile_shape(self.dtype_name, self.head_dim)
+        return dkdv_tile_shape(self.dtype_name, self.head_dim, self.block_sparse)
 
     @property
     def smem_bytes(self) -> int:
@@ -244,7 +251,7 @@ class BwdDqKernel(_TiledKernel):
 
     dtype_name: str
     head_dim: int  # padded
-    causal: bool
+    local: bool
     block_sparse: bool = False
 
     source_file = "flash_bwd.cu"
@@ -278,6 +285,7 @@ class BwdRowKernel:
     source_file = "flash_bwd.cu"
     rows_per_block = 4
     smem_bytes = 0
+    per_kv_head = False
 
     @property
     def num_threads(self) -> int:
@@ -298,18 +306,18 @@ BWD_ROW_STEPS = ("preprocess", "convert_dq")
 
 
 def bwd_kernels(
-    dtype_name: str, head_dim: int, causal: bool, tensor_cores: bool = False, large_smem: bool = False,
+    dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, large_smem: bool = False,
     block_sparse: bool = False,
 ):
     """(dK/dV kernel, deterministic dQ kernel) for a problem; with tensor_cores (16-bit dtypes
     only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels, its dK/dV tile for
     an H100's shared memory with large_smem (`tc_dkdv_tile_shape`); block_sparse as `fwd_kernel`."""
     _check_tensor_core_dtype(dtype_name, tensor_cores)
-    d, causal, sparse = padded_head_dim(head_dim), bool(causal), bool(block_sparse)
+    d, local, sparse = padded_head_dim(head_dim), bool(local), bool(block_sparse)
     if tensor_cores:
-        return (TcBwdDkdvKernel(dtype_name, d, causal, large_smem=large_smem, block_sparse=sparse),
-                TcBwdDqKernel(dtype_name, d, causal, block_sparse=sparse))
-    return BwdDkdvKernel(dtype_name, d, causal, block_sparse=sparse), BwdDqKernel(dtype_name, d, causal, block_sparse=sparse)
+        return (TcBwdDkdvKernel(dtype_name, d, local, large_smem=large_smem, block_sparse=sparse),
+                TcBwdDqKernel(dtype_name, d, local, block_sparse=sparse))
+    return BwdDkdvKernel(dtype_name, d, local, block_sparse=sparse), BwdDqKernel(dtype_name, d, local, block_sparse=sparse)
 
 
 @functools.cache  # on every block-sparse call's path; it depends only on these two values
@@ -318,10 +326,12 @@ def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
     head dim, the largest tile of every kernel that may run it (scalar and tensor-core, either
     shared-memory table), so that each kernel tile lies in one mask block, whatever the GPU."""
     d = padded_head_dim(head_dim)
-    kernels = [fwd_kernel(dtype_name, d, False, block_sparse=True), *bwd_kernels(dtype_name, d, False, block_sparse=True)]
-    if dtype_name in TENSOR_CORE_DTYPES:
-        kernels += [fwd_kernel(dtype_name, d, False, True, True), *bwd_kernels(dtype_name, d, False, True, block_sparse=True)]
-        kernels += [bwd_kernels(dtype_name, d, False, True, large_smem=True, block_sparse=True)[0]]
+    kernels = []
+    for local in (False, True):
+        kernels += [fwd_kernel(dtype_name, d, local, block_sparse=True), *bwd_kernels(dtype_name, d, local, block_sparse=True)]
+        if dtype_name in TENSOR_CORE_DTYPES:
+            kernels += [fwd_kernel(dtype_name, d, local, True, True), *bwd_kernels(dtype_name, d, local, True, block_sparse=True)]
+            kernels += [bwd_kernels(dtype_name, d, local, True, large_smem=True, block_sparse=True)[0]]
     return max(k.tile.block_m for k in kernels), max(k.tile.block_n for k in kernels)
 
 
@@ -329,9 +339,9 @@ def all_bwd_kernels() -> list:
     kernels = [BwdRowKernel(step, dtype_name) for dtype_name in DTYPE_NAMES for step in BWD_ROW_STEPS]
     for dtype_name in DTYPE_NAMES:
         for d in PADDED_HEAD_DIMS:
-            for causal in (False, True):
+            for local in (False, True):
                 for sparse in (False, True):
-                    kernels += list(bwd_kernels(dtype_name, d, causal, block_sparse=sparse))
+                    kernels += list(bwd_kernels(dtype_name, d, local, block_sparse=sparse))
     return kernels
 
 
@@ -388,18 +398,22 @@ class TcBwdTileShape:
 
 # The traits table of the tensor-core kernels, by padded head dim. Every tile fits an A100's
 # 163 KiB of shared memory and compiles without spills (`python -m cupyflash check-kernels`).
-def tc_fwd_tile_shape(padded_head_dim: int, block_sparse: bool = False) -> TcTileShape:
+def tc_fwd_tile_shape(padded_head_dim: int, block_sparse: bool = False, local: bool = False) -> TcTileShape:
     """block_sparse: the tile of the block-sparse instantiation, which keeps its tile list's
     state in registers beside the dense kernel's. At d128 the dense tile has none to spare (it
     spills 16-24 bytes); (128, 32) is the fastest that fits (benchmarks/tune_sparse.py: 0.85x the
-    dense tile's TFLOP/s, where (128, 64, 8 warps) gave 0.67x)."""
+    dense tile's TFLOP/s, where (128, 64, 8 warps) gave 0.67x). At d64 and d256 the same holds
+    for the block-sparse local (causal, windowed) kernel: 12 and 4 bytes of spills at sm_90a."""
     if padded_head_dim <= 64:
-        return TcTileShape(128, 128, num_warps=4, min_blocks_per_sm=1)
+        return TcTileShape(128, 64 if block_sparse and local else 128, num_warps=4, min_blocks_per_sm=1)
     if padded_head_dim <= 128:
         return TcTileShape(128, 32 if block_sparse else 64, num_warps=4, min_blocks_per_sm=1)
     if padded_head_dim <= 224:
         return TcTileShape(64, 64, num_warps=4, min_blocks_per_sm=1)
     # (64, 64, 4) is 11% faster at 256 but spills with causal; (64, 32, 4) fits and is slower.
+    # The block-sparse local kernel takes (128, 32, 8): with 64 keys it spills 4 bytes at sm_90a.
+    if block_sparse and local:
+        return TcTileShape(128, 32, num_warps=8, min_blocks_per_sm=1)
     return TcTileShape(128, 64, num_warps=8, min_blocks_per_sm=1)
 
 
@@ -443,7 +457,7 @@ class _TcKernel(_TiledKernel):
 
     dtype_name: str
     head_dim: int  # padded
-    causal: bool
+    local: bool
     tile_override: TcTileShape | TcDkdvTileShape | TcBwdTileShape | None = None  # for tuning; None: the traits table
     block_sparse: bool = False
 
@@ -462,7 +476,7 @@ class TcFwdKernel(_TcKernel):
 
     @property
     def tile(self) -> TcTileShape:
-        return self.tile_override or tc_fwd_tile_shape(self.head_dim, self.block_sparse)
+        return self.tile_override or tc_fwd_tile_shape(self.head_dim, self.block_sparse, self.local)
 
     @property
     def smem_bytes(self) -> int:
@@ -485,6 +499,7 @@ class TcBwdDkdvKernel(_TcKernel):
     source_file = "flash_bwd_tc.cu"
     kernel_name = "flash_bwd_dkdv_tc_kernel"
     traits_name = "TcBwdDkdvTraits"
+    per_kv_head = True  # as BwdDkdvKernel
 
     @property
     def tile(self) -> TcDkdvTileShape:
@@ -534,14 +549,14 @@ def uses_tensor_cores(dtype_name: str, compute_capability: int) -> bool:
 
 def all_tc_kernels() -> list:
     kernels = [
-        kind(dtype_name, d, causal, block_sparse=sparse)
+        kind(dtype_name, d, local, block_sparse=sparse)
         for dtype_name in TENSOR_CORE_DTYPES
         for d in PADDED_HEAD_DIMS
-        for causal in (False, True)
+        for local in (False, True)
         for sparse in (False, True)
         for kind in (TcFwdKernel, TcBwdDkdvKernel, TcBwdDqKernel)
     ]
-    large = [TcBwdDkdvKernel(k.dtype_name, k.head_dim, k.causal, large_smem=True, block_sparse=k.block_sparse)
+    large = [TcBwdDkdvKernel(k.dtype_name, k.head_dim, k.local, large_smem=True, block_sparse=k.block_sparse)
              for k in kernels if isinstance(k, TcBwdDkdvKernel)]
     return kernels + [k for k in large if k not in kernels]
 
@@ -551,11 +566,14 @@ _MASK_FIELDS = [("mask_batch_stride", "i8"), ("mask_head_stride", "i8")] + [
     (name, "i4") for name in ("mask_q_blocks", "mask_k_blocks", "mask_block_q", "mask_block_k")
 ]
 
+# The problem's int fields, after the pointers and strides of both structs.
+_SHAPE_FIELDS = ("heads", "seqlen_q", "seqlen_k", "head_dim", "kv_group", "band_first", "band_last")
+
 # The host's image of struct FwdParams (kernels/flash_fwd.cuh); align=True gives C's layout.
 FWD_PARAMS_DTYPE = numpy.dtype(
     [("q", "u8"), ("k", "u8"), ("v", "u8"), ("o", "u8"), ("lse", "u8")]
     + [(f"{t}_{s}_stride", "i8") for t in "qkvo" for s in ("batch", "row", "head")]
-    + [("heads", "i4"), ("seqlen_q", "i4"), ("seqlen_k", "i4"), ("head_dim", "i4")]
+    + [(name, "i4") for name in _SHAPE_FIELDS]
     + [("scale_log2", "f8")]
     + [("kv_block_count", "u8"), ("kv_block_index", "u8")]
     + _MASK_FIELDS,
@@ -567,7 +585,7 @@ BWD_PARAMS_DTYPE = numpy.dtype(
     [(name, "u8") for name in ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse_log2", "d")]
     + [(f"{t}_{s}_stride", "i8") for t in ("q", "k", "v", "o", "dout", "dq", "dk", "dv") for s in ("batch", "row", "head")]
     + [("lse_batch_stride", "i8"), ("lse_head_stride", "i8"), ("lse_row_stride", "i8")]
-    + [("heads", "i4"), ("seqlen_q", "i4"), ("seqlen_k", "i4"), ("head_dim", "i4")]
+    + [(name, "i4") for name in _SHAPE_FIELDS]
     + [("scale", "f8"), ("scale_log2", "f8")]
     + [(name, "u8") for name in ("kv_block_count", "kv_block_index", "q_block_count", "q_block_index")]
     + _MASK_FIELDS,

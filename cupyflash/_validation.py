@@ -56,10 +56,46 @@ class AttentionProblem:
     return_lse: bool
     deterministic: bool = False
     block_mask: object = None  # a BlockMask for block-sparse attention (checked by check_block_mask)
+    heads_kv: int = 0  # K/V heads (GQA/MQA: a divisor of heads); 0 is read as heads
+    window: tuple | None = None  # (left, right), each an int >= 0 or None (unbounded); None: no window
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per K/V head: 1 for multi-head attention."""
+        return self.heads // self.heads_kv if self.heads_kv else 1
+
+    @property
+    def local(self) -> bool:
+        """Whether keys outside a band are hidden (causal, a window, or both): the kernels' local
+        instantiation."""
+        return self.causal or self.window is not None
+
+    @property
+    def band(self) -> tuple[int | None, int | None]:
+        """(left, right) of the visible band: query i sees keys j with
+        i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (None: unbounded);
+        causal is right = 0."""
+        left, right = self.window or (None, None)
+        return left, (0 if self.causal else right)
+
+    def kernel_window(self) -> tuple[int, int]:
+        """The band as the kernels take it (window_left, window_right): unbounded sides, and sides
+        wider than the score matrix, clamped to seqlen_k and seqlen_q, which hide nothing."""
+        left, right = self.band
+        left = self.seqlen_k if left is None else min(left, self.seqlen_k)
+        right = self.seqlen_q if right is None else min(right, self.seqlen_q)
+        return left, right
+
+    def kernel_band(self) -> tuple[int, int]:
+        """(band_first, band_last): the first and last key query 0 sees, as the kernels take the
+        band (query i sees keys i + band_first .. i + band_last)."""
+        left, right = self.kernel_window()
+        return self.seqlen_k - self.seqlen_q - left, self.seqlen_k - self.seqlen_q + right
 
 
-def check_attention_args(q, k, v, *, causal, scale, return_lse) -> AttentionProblem:
-    """Validates q, k, v (NumPy or CuPy arrays, already on one side) and the options."""
+def check_attention_args(q, k, v, *, causal, scale, return_lse, window=None) -> AttentionProblem:
+    """Validates q, k, v (NumPy or CuPy arrays, already on one side) and the options. k and v may
+    have fewer heads than q (GQA/MQA) when their number divides q's."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             seq = "seqlen_q" if name == "q" else "seqlen_k"
@@ -76,16 +112,19 @@ def check_attention_args(q, k, v, *, causal, scale, return_lse) -> AttentionProb
     seqlen_k = k.shape[1]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim (the last axis of q) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    heads_kv = k.shape[2]
     for name, x in (("k", k), ("v", v)):
         b, s, h, d = x.shape
-        if (b, h, d) != (batch, heads, head_dim):
+        if (b, d) != (batch, head_dim) or (h == 0) != (heads == 0) or (h and heads % h):
             raise ValueError(
-                f"{name} must have shape (batch={batch}, seqlen_k, heads={heads}, head_dim={head_dim}) "
-                f"to match q {tuple(q.shape)}, got {tuple(x.shape)}"
+                f"{name} must have shape (batch={batch}, seqlen_k, heads_kv, head_dim={head_dim}) with heads_kv "
+                f"dividing q's {heads} heads (GQA/MQA; heads_kv = {heads} for multi-head attention) to match "
+                f"q {tuple(q.shape)}, got {tuple(x.shape)}"
             )
-    if v.shape[1] != seqlen_k:
+    if tuple(v.shape[1:3]) != (seqlen_k, heads_kv):
         raise ValueError(
-            f"k and v must have the same seqlen_k (axis 1), got k {tuple(k.shape)} and v {tuple(v.shape)}"
+            f"k and v must have the same seqlen_k and heads (axes 1 and 2), got k {tuple(k.shape)} and v "
+            f"{tuple(v.shape)}"
         )
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_strides(x, name)
@@ -93,6 +132,13 @@ def check_attention_args(q, k, v, *, causal, scale, return_lse) -> AttentionProb
         raise ValueError(f"batch and heads must each be at most {_MAX_GRID_YZ}, got batch={batch}, heads={heads}")
     if max(seqlen_q, seqlen_k) > _MAX_SEQLEN:
         raise ValueError(f"seqlen_q and seqlen_k must be at most {_MAX_SEQLEN}, got {seqlen_q} and {seqlen_k}")
+    causal = check_flag(causal, "causal")
+    window = check_window(window)
+    if (causal or window is not None) and seqlen_q + seqlen_k > _MAX_SEQLEN:
+        # The kernels' band arithmetic (i + seqlen_k - seqlen_q + right) is in int32.
+        raise ValueError(
+            f"with causal or a window, seqlen_q + seqlen_k must be at most {_MAX_SEQLEN}, got {seqlen_q + seqlen_k}"
+        )
 
     return AttentionProblem(
         batch=batch,
@@ -101,10 +147,36 @@ def check_attention_args(q, k, v, *, causal, scale, return_lse) -> AttentionProb
         heads=heads,
         head_dim=head_dim,
         dtype_name=name_q,
-        causal=check_flag(causal, "causal"),
+        causal=causal,
         scale=check_scale(scale, head_dim),
         return_lse=check_flag(return_lse, "return_lse"),
+        heads_kv=heads_kv,
+        window=window,
     )
+
+
+def check_window(window) -> tuple | None:
+    """window=(left, right) of local attention as (left or None, right or None), where None and
+    -1 (flash-attn's spelling) mean unbounded; None when both sides are."""
+    if window is None:
+        return None
+    try:
+        pair = tuple(window)
+    except TypeError:
+        raise TypeError(f"window must be None or a pair (left, right) of ints or None, got {window!r}") from None
+    if len(pair) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of ints or None, got {window!r}")
+    sides = []
+    for side, x in zip(("left", "right"), pair):
+        if x is None:
+            sides.append(None)
+            continue
+        if isinstance(x, (bool, numpy.bool_)) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"window's {side} side must be an int or None, got {x!r}")
+        if x < -1:
+            raise ValueError(f"window's {side} side must be >= 0, or -1 or None for unbounded, got {x}")
+        sides.append(None if x == -1 else int(x))
+    return None if sides == [None, None] else tuple(sides)
 
 
 def lse_dtype(dtype_name_: str) -> numpy.dtype:
@@ -112,9 +184,9 @@ def lse_dtype(dtype_name_: str) -> numpy.dtype:
     return numpy.dtype(numpy.float64 if dtype_name_ == "float64" else numpy.float32)
 
 
-def check_backward_args(dout, q, k, v, out, lse, *, causal, scale, deterministic) -> AttentionProblem:
+def check_backward_args(dout, q, k, v, out, lse, *, causal, scale, deterministic, window=None) -> AttentionProblem:
     """Validates the arguments of attention_backward (NumPy or CuPy arrays, already on one side)."""
-    problem = check_attention_args(q, k, v, causal=causal, scale=scale, return_lse=False)
+    problem = check_attention_args(q, k, v, causal=causal, scale=scale, return_lse=False, window=window)
     for name, x in (("dout", dout), ("out", out)):
         if tuple(x.shape) != tuple(q.shape):
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")

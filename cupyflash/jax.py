@@ -32,27 +32,29 @@ except ImportError as e:  # pragma: no cover - depends on the JAX version
 __all__ = ["attention"]
 
 
-def attention(q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None):
-    """`cupyflash.attention(q, k, v, causal=causal, scale=scale)` for JAX arrays, differentiable
-    through `cupyflash.attention_backward`. `deterministic=True` makes the gradients bitwise
-    reproducible. With a `cupyflash.BlockMask` as block_mask, `cupyflash.block_sparse_attention`
-    and its backward (the mask is a static argument, like causal). Returns out only; arguments
-    are checked when the call is traced."""
-    return _attention_vjp(q, k, v, bool(causal), scale, bool(deterministic), block_mask)
+def attention(q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None):
+    """`cupyflash.attention(q, k, v, causal=causal, scale=scale, window=window)` for JAX arrays
+    (k, v with fewer heads for GQA/MQA), differentiable through `cupyflash.attention_backward`.
+    `deterministic=True` makes the gradients bitwise reproducible. With a `cupyflash.BlockMask`
+    as block_mask, `cupyflash.block_sparse_attention` and its backward (the mask and the window
+    are static arguments, like causal). Returns out only; arguments are checked when the call is
+    traced."""
+    window = None if window is None else tuple(window)  # hashable, as a static argument must be
+    return _attention_vjp(q, k, v, bool(causal), scale, bool(deterministic), block_mask, window)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention_vjp(q, k, v, causal, scale, deterministic, block_mask):
-    return _forward(q, k, v, causal, scale, block_mask)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _attention_vjp(q, k, v, causal, scale, deterministic, block_mask, window):
+    return _forward(q, k, v, causal, scale, block_mask, window)[0]
 
 
-def _attention_fwd(q, k, v, causal, scale, deterministic, block_mask):
-    out, lse = _forward(q, k, v, causal, scale, block_mask)
+def _attention_fwd(q, k, v, causal, scale, deterministic, block_mask, window):
+    out, lse = _forward(q, k, v, causal, scale, block_mask, window)
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(causal, scale, deterministic, block_mask, residuals, dout):
-    return _backward(dout, *residuals, causal, scale, deterministic, block_mask)
+def _attention_bwd(causal, scale, deterministic, block_mask, window, residuals, dout):
+    return _backward(dout, *residuals, causal, scale, deterministic, block_mask, window)
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
@@ -74,8 +76,10 @@ class _Spec:
         self.strides = tuple(reversed(strides))
 
 
-def _forward(q, k, v, causal, scale, block_mask):
-    p = _validation.check_attention_args(*map(_Spec, (q, k, v)), causal=causal, scale=scale, return_lse=True)
+def _forward(q, k, v, causal, scale, block_mask, window):
+    p = _validation.check_attention_args(
+        *map(_Spec, (q, k, v)), causal=causal, scale=scale, return_lse=True, window=window
+    )
     if block_mask is not None:
         p = _validation.check_block_mask(block_mask, p)
     result = (
@@ -87,7 +91,8 @@ def _forward(q, k, v, causal, scale, block_mask):
         out, lse = outs
         if not _on_gpu(q):
             o, l = reference.tiled_attention(
-                *map(numpy.asarray, (q, k, v)), causal=p.causal, scale=p.scale, return_lse=True, block_mask=p.block_mask
+                *map(numpy.asarray, (q, k, v)), causal=p.causal, scale=p.scale, return_lse=True,
+                block_mask=p.block_mask, window=p.window,
             )
             numpy.asarray(out)[...] = o.astype(out.dtype)
             numpy.asarray(lse)[...] = l.astype(lse.dtype)
@@ -101,9 +106,10 @@ def _forward(q, k, v, causal, scale, block_mask):
     return buffer_callback(run, result)(q, k, v)
 
 
-def _backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask):
+def _backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window):
     p = _validation.check_backward_args(
-        *map(_Spec, (dout, q, k, v, out, lse)), causal=causal, scale=scale, deterministic=deterministic
+        *map(_Spec, (dout, q, k, v, out, lse)), causal=causal, scale=scale, deterministic=deterministic,
+        window=window,
     )
     if block_mask is not None:
         p = _validation.check_block_mask(block_mask, p)
@@ -113,7 +119,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask)
         if not _on_gpu(q):
             inputs = map(numpy.asarray, (dout, q, k, v, out, lse))
             values = reference.tiled_attention_backward(
-                *inputs, causal=p.causal, scale=p.scale, block_mask=p.block_mask
+                *inputs, causal=p.causal, scale=p.scale, block_mask=p.block_mask, window=p.window
             )
             for g, value in zip(grads, values):
                 numpy.asarray(g)[...] = value.astype(g.dtype)

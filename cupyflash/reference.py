@@ -31,18 +31,29 @@ def _as_float64(x):
     return numpy.asarray(x).astype(numpy.float64)
 
 
-def _prepare(q, k, v, causal, scale, return_lse, block_mask=None):
+def _prepare(q, k, v, causal, scale, return_lse, block_mask=None, window=None):
+    """The validated problem and q, k, v in float64, k and v repeated to q's heads (GQA/MQA)."""
     q, k, v = (x if hasattr(x, "ndim") else numpy.asarray(x) for x in (q, k, v))
-    problem = _validation.check_attention_args(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    problem = _validation.check_attention_args(
+        q, k, v, causal=causal, scale=scale, return_lse=return_lse, window=window
+    )
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem, for_kernels=False)
-    return problem, _as_float64(q), _as_float64(k), _as_float64(v)
+    k, v = (numpy.repeat(_as_float64(x), problem.kv_group, axis=2) for x in (k, v))
+    return problem, _as_float64(q), k, v
+
+
+def _sum_groups(x, group: int):
+    """A gradient with respect to K or V repeated to q's heads, (batch, seq, heads, d), summed
+    over each group of query heads into (batch, seq, heads_kv, d)."""
+    b, s, h, d = x.shape
+    return x.reshape(b, s, h // group, group, d).sum(axis=3)
 
 
 def _hidden(p) -> numpy.ndarray | None:
     """Boolean, broadcastable to (batch, heads, seqlen_q, seqlen_k): True where key j is hidden
-    from query i by causal or by the block mask; None when nothing is."""
-    hidden = causal_mask(p.seqlen_q, p.seqlen_k) if p.causal else None
+    from query i by causal, the window or the block mask; None when nothing is."""
+    hidden = _tile_hidden(p, 0, p.seqlen_q, 0, p.seqlen_k) if p.local else None
     if p.block_mask is not None:
         outside = ~p.block_mask.element_mask(p.seqlen_q, p.seqlen_k)
         hidden = outside if hidden is None else outside | hidden
@@ -51,38 +62,62 @@ def _hidden(p) -> numpy.ndarray | None:
 
 def causal_mask(seqlen_q: int, seqlen_k: int):
     """Boolean (seqlen_q, seqlen_k): True where key j is hidden from query i, j > i + seqlen_k - seqlen_q."""
-    return _tile_causal_mask(0, seqlen_q, 0, seqlen_k, seqlen_q, seqlen_k)
+    return band_mask(seqlen_q, seqlen_k, None, 0)
 
 
-def _tile_causal_mask(row0, rows, col0, cols, seqlen_q, seqlen_k):
-    i = numpy.arange(row0, row0 + rows)[:, None]
+def band_mask(seqlen_q: int, seqlen_k: int, left: int | None, right: int | None):
+    """Boolean (seqlen_q, seqlen_k): True where key j is outside query i's window, that is
+    j < i + seqlen_k - seqlen_q - left or j > i + seqlen_k - seqlen_q + right (None: unbounded)."""
+    return _band_tile(seqlen_q, seqlen_k, left, right, 0, seqlen_q, 0, seqlen_k)
+
+
+def _tile_hidden(p, row0, rows, col0, cols):
+    """The problem's band_mask, for the tile of queries [row0, row0 + rows) and keys [col0, col0 + cols)."""
+    return _band_tile(p.seqlen_q, p.seqlen_k, *p.band, row0, rows, col0, cols)
+
+
+def _band_tile(seqlen_q, seqlen_k, left, right, row0, rows, col0, cols):
+    i = numpy.arange(row0, row0 + rows)[:, None] + (seqlen_k - seqlen_q)
     j = numpy.arange(col0, col0 + cols)[None, :]
-    return j > i + (seqlen_k - seqlen_q)
+    hidden = numpy.zeros((rows, cols), bool)
+    if left is not None:
+        hidden |= j < i - left
+    if right is not None:
+        hidden |= j > i + right
+    return hidden
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_mask=None):
+def _band_cuts(p, row0, rows, col0, cols) -> bool:
+    """The kernels' Band::cuts: whether an edge of the band runs through the tile."""
+    first, last = p.kernel_band()
+    return col0 + cols - 1 > row0 + last or col0 < row0 + rows - 1 + first
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_mask=None, window=None):
     """Exact attention in float64, materialising the scores. Semantics of `cupyflash.attention`
-    (with block_mask, of `cupyflash.block_sparse_attention`)."""
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask)
+    (with block_mask, of `cupyflash.block_sparse_attention`), GQA/MQA and window included."""
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window)
     out, lse = _materialised_attention(q, k, v, p, numpy.float64, None)
     return (out, lse) if p.return_lse else out
 
 
-def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, return_lse=False):
+def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, return_lse=False, window=None):
     """Block-sparse attention in float64: `attention` with the block mask expanded to an element
     mask (keys of zero blocks hidden, as causal hides keys). Semantics of
     `cupyflash.block_sparse_attention`: a row that sees no key gives out 0 and lse -inf."""
-    return attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse, block_mask=block_mask)
+    return attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse, block_mask=block_mask, window=window)
 
 
-def attention_in_precision(q, k, v, dtype, *, causal=False, scale=None, return_lse=False, block_mask=None):
+def attention_in_precision(
+    q, k, v, dtype, *, causal=False, scale=None, return_lse=False, block_mask=None, window=None
+):
     """Standard attention done in `dtype`'s precision: the baseline that sets test tolerances.
 
     float32/float64 compute in their own precision. For 16-bit dtypes the arithmetic is float32
     (as tensor-core matmuls and a float32 softmax) with the scores, the probabilities and the
     output rounded to `dtype`, as a framework's 16-bit standard attention does. Returns float64.
     """
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask)
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window)
     name = _validation.dtype_name(dtype, "dtype")
     compute = numpy.float64 if name == "float64" else numpy.float32
     rounding = numpy.dtype(dtype) if name in ("float16", "bfloat16") else None
@@ -148,30 +183,30 @@ def _materialised_forward(q, k, v, p, compute, rounding):
 # --------------------------------------------------------------------------- backward
 
 
-def attention_backward(dout, q, k, v, *, causal=False, scale=None, block_mask=None):
+def attention_backward(dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None):
     """Exact gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), in float64.
 
     With S = scale Q K^T, P = softmax(S) (masked entries 0) and O = P V:
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),  dQ = scale dS K,  dK = scale dS^T Q.
     Materialises P; arguments as `attention`, dout with q's shape. Returns float64 arrays with
-    the shapes of q, k, v.
+    the shapes of q, k, v (GQA/MQA: dk, dv summed over each K/V head's group of query heads).
     """
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window)
     return _materialised_backward(dout, q, k, v, p, numpy.float64, None)
 
 
-def block_sparse_attention_backward(dout, q, k, v, block_mask, *, causal=False, scale=None):
+def block_sparse_attention_backward(dout, q, k, v, block_mask, *, causal=False, scale=None, window=None):
     """Exact gradients (dq, dk, dv) of `block_sparse_attention`, in float64 (`attention_backward`
     with the block mask expanded to elements)."""
-    return attention_backward(dout, q, k, v, causal=causal, scale=scale, block_mask=block_mask)
+    return attention_backward(dout, q, k, v, causal=causal, scale=scale, block_mask=block_mask, window=window)
 
 
-def output_term_magnitude(q, k, v, *, causal=False, scale=None, block_mask=None) -> float:
+def output_term_magnitude(q, k, v, *, causal=False, scale=None, block_mask=None, window=None) -> float:
     """For `error_bound`: the size an output's rounding noise follows. out_i = sum_j P_ij v_j with
     P_ij = exp(s_ij - lse_i), and a float type resolves an exponent of size |s| only to about
     |s|·eps, a relative error every P_ij carries into the sum: max|v| · max(1, max|s_ij|) over the
     visible scores s = scale·q k^T. Arguments as `attention`."""
-    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask)
+    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window)
     qh, kh = (x.transpose(0, 2, 1, 3) for x in (q, k))
     s = numpy.abs(qh @ kh.transpose(0, 1, 3, 2)) * p.scale
     hidden = _hidden(p)
@@ -181,7 +216,7 @@ def output_term_magnitude(q, k, v, *, causal=False, scale=None, block_mask=None)
 
 
 def gradient_term_magnitudes(
-    dout, q, k, v, *, causal=False, scale=None, block_mask=None
+    dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None
 ) -> tuple[float, float, float]:
     """For `error_bound`: the size of the largest terms summed into dq, dk and dv.
 
@@ -189,33 +224,39 @@ def gradient_term_magnitudes(
         scale · max(|dP| + |D|) · max|k|;
     dk_j = scale·sum_i P_ij (dP_ij - D_i) q_i: the same with max|q|, times the largest column sum
         of P;
-    dv_j = sum_i P_ij dO_i: max|dO| times the largest column sum of P.
+    dv_j = sum_i P_ij dO_i: max|dO| times the largest column sum of P
+    (GQA/MQA: column sums over each K/V head's group of query heads).
     Arguments as `attention_backward`; computed in float64 from the materialised P."""
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window)
     out, _, probs = _materialised_forward(q, k, v, p, numpy.float64, None)
     doh, vh = (x.transpose(0, 2, 1, 3) for x in (dout, v))
     dp = numpy.abs(doh @ vh.transpose(0, 1, 3, 2))
     d = numpy.abs((doh * out).sum(axis=-1, keepdims=True))
     spread = float((dp + d).max(initial=0.0))
-    column_sum = float(probs.sum(axis=-2).max(initial=0.0))
+    columns = probs.sum(axis=-2)  # (batch, heads, seqlen_k)
+    b, h, s = columns.shape
+    column_sum = float(columns.reshape(b, h // p.kv_group, p.kv_group, s).sum(axis=2).max(initial=0.0))
     biggest = [float(numpy.abs(x).max(initial=0.0)) for x in (q, k, dout)]
     return (p.scale * spread * biggest[1], p.scale * spread * biggest[0] * column_sum, biggest[2] * column_sum)
 
 
-def attention_backward_in_precision(dout, q, k, v, dtype, *, causal=False, scale=None, block_mask=None):
+def attention_backward_in_precision(
+    dout, q, k, v, dtype, *, causal=False, scale=None, block_mask=None, window=None
+):
     """Standard attention's backward done in `dtype`'s precision (the tolerance baseline):
     float32/float64 in their own precision; for 16-bit dtypes float32 arithmetic with S, P, O,
     dP, dS and the gradients rounded to `dtype`, as a framework's autograd of 16-bit standard
-    attention does. Returns float64."""
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask)
+    attention does (GQA/MQA: each query head's dk, dv rounded, then summed over the group).
+    Returns float64."""
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window)
     name = _validation.dtype_name(dtype, "dtype")
     compute = numpy.float64 if name == "float64" else numpy.float32
     rounding = numpy.dtype(dtype) if name in ("float16", "bfloat16") else None
     return _materialised_backward(dout, q, k, v, p, compute, rounding)
 
 
-def _prepare_backward(dout, q, k, v, causal, scale, block_mask=None):
-    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask)
+def _prepare_backward(dout, q, k, v, causal, scale, block_mask=None, window=None):
+    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window)
     dout = _as_float64(dout)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
@@ -238,19 +279,23 @@ def _materialised_backward(dout, q, k, v, p, compute, rounding):
     ds = rounded(probs * (dp - d))
     dq = rounded(ds @ kh) * scale
     dk = rounded(ds.transpose(0, 1, 3, 2) @ qh) * scale
-    return tuple(rounded(x).transpose(0, 2, 1, 3).astype(numpy.float64) for x in (dq, dk, dv))
+    dq, dk, dv = (rounded(x).transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+    if p.kv_group > 1:
+        dk, dv = (rounded(_sum_groups(x, p.kv_group)) for x in (dk, dv))
+    return tuple(x.astype(numpy.float64) for x in (dq, dk, dv))
 
 
 def tiled_attention(
-    q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None, block_mask=None
+    q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None, block_mask=None, window=None
 ):
     """FlashAttention-2's forward, block by block, as the GPU kernel schedules it (float64).
 
     block_m, block_n default to the kernel's tile for this dtype and head dim (with a block mask,
     cut to divide its block size). With block_mask (block-sparse FlashAttention, Algorithm 5), a
-    query block visits only the key blocks its mask row lists, in the kernels' order.
+    query block visits only the key blocks its mask row lists, in the kernels' order. With causal or
+    a window, only the key blocks in its band.
     """
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask)
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window)
     tile = _instantiations.tile_shape(p.dtype_name, _instantiations.padded_head_dim(p.head_dim))
     block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
     sq, sk = p.seqlen_q, p.seqlen_k
@@ -269,10 +314,10 @@ def tiled_attention(
                 col0 = n_block * block_n
                 cols = min(block_n, sk - col0)
                 s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i, k[bs, col0 : col0 + cols, hs])
-                # Like the kernel, mask only tiles the diagonal cuts through (a slice needs no
-                # seqlen_k mask: it holds no key past the end).
-                if p.causal and col0 + block_n - 1 > row0 + sk - sq:
-                    s_ij[..., _tile_causal_mask(row0, rows, col0, cols, sq, sk)] = -numpy.inf
+                # Like the kernel, mask only tiles an edge of the band cuts through (a slice needs
+                # no seqlen_k mask: it holds no key past the end).
+                if p.local and _band_cuts(p, row0, rows, col0, cols):
+                    s_ij[..., _tile_hidden(p, row0, rows, col0, cols)] = -numpy.inf
                 m_new = numpy.maximum(m_i, s_ij.max(axis=-1, keepdims=True))
                 m_safe = numpy.where(numpy.isneginf(m_new), 0.0, m_new)  # no -inf - -inf = NaN
                 p_ij = numpy.exp2(s_ij - m_safe)
@@ -288,13 +333,17 @@ def tiled_attention(
     return (out, lse) if p.return_lse else out
 
 
-def _visible_key_blocks(row0: int, rows: int, seqlen_q: int, seqlen_k: int, block_n: int, causal: bool) -> int:
-    """Key blocks a query block visits; with causal, blocks right of its last row's diagonal are skipped."""
-    n_blocks = -(-seqlen_k // block_n)
-    if causal:
-        last_key = row0 + rows - 1 + seqlen_k - seqlen_q
-        n_blocks = min(n_blocks, 0 if last_key < 0 else last_key // block_n + 1)
-    return n_blocks
+def _visible_key_tiles(p, row0: int, rows: int, block_n: int) -> tuple[int, int]:
+    """The kernels' visible_key_tiles: key tiles [lo, hi) a query tile can see; with causal or a
+    window, those in the band from its first row's first key to its last row's last key."""
+    n_blocks = -(-p.seqlen_k // block_n)
+    if not p.local:
+        return 0, n_blocks
+    first, last = p.kernel_band()
+    last_key = row0 + rows - 1 + last
+    lo = max(row0 + first, 0) // block_n
+    hi = min(n_blocks, 0 if last_key < 0 else last_key // block_n + 1)
+    return lo, max(lo, hi)
 
 
 def _tiles(p, block_m: int, block_n: int) -> tuple[int, int]:
@@ -336,20 +385,25 @@ def sparse_tiles(blocks, count: int, per_block: int, lo: int, hi: int) -> list[i
 
 def key_tiles(p, slab, row0: int, rows: int, block_n: int) -> list[int]:
     """The key tiles (of block_n) the query tile [row0, row0 + rows) visits, as the kernels'
-    key_tiles: those causal leaves visible, and with a block mask only its row's nonzero blocks."""
-    visible = _visible_key_blocks(row0, rows, p.seqlen_q, p.seqlen_k, block_n, p.causal)
+    key_tiles: those in its band (causal, window), and with a block mask only its row's nonzero blocks."""
+    lo, hi = _visible_key_tiles(p, row0, rows, block_n)
     if p.block_mask is None:
-        return list(range(visible))
+        return list(range(lo, hi))
     bq, bk = p.block_mask.block_size
     count, index = p.block_mask.kv_count[slab], p.block_mask.kv_index[slab]
     r = row0 // bq
-    return sparse_tiles(index[r], int(count[r]), bk // block_n, 0, visible)
+    return sparse_tiles(index[r], int(count[r]), bk // block_n, lo, hi)
 
 
-def query_tiles(p, slab, col0: int, block_m: int) -> list[int]:
-    """The query tiles (of block_m) that see the key tile at col0, as the kernels' query_tiles."""
-    lo = max(col0 - (p.seqlen_k - p.seqlen_q), 0) // block_m if p.causal else 0
-    hi = -(-p.seqlen_q // block_m)
+def query_tiles(p, slab, col0: int, cols: int, block_m: int) -> list[int]:
+    """The query tiles (of block_m) that see the key tile [col0, col0 + cols), as the kernels'
+    query_tiles: those in its band, and with a block mask those of its mask column."""
+    lo, hi = 0, -(-p.seqlen_q // block_m)
+    if p.local:
+        first, last = p.kernel_band()
+        last_query = col0 + cols - 1 - first
+        lo = max(0, col0 - last) // block_m
+        hi = max(lo, min(hi, 0 if last_query < 0 else last_query // block_m + 1))
     if p.block_mask is None:
         return list(range(lo, hi))
     bq, bk = p.block_mask.block_size
@@ -359,18 +413,19 @@ def query_tiles(p, slab, col0: int, block_m: int) -> list[int]:
 
 
 def tiled_attention_backward(
-    dout, q, k, v, out, lse, *, causal=False, scale=None, block_m=None, block_n=None, block_mask=None
+    dout, q, k, v, out, lse, *, causal=False, scale=None, block_m=None, block_n=None, block_mask=None, window=None
 ):
     """FlashAttention-2's backward (Algorithm 2) in float64, block by block as the dK/dV kernel
     schedules it: an outer loop over key blocks holding dK_j, dV_j, an inner loop over the query
-    blocks that can see them (with block_mask, those its mask column lists), P_ij recomputed from
-    the saved lse, dQ summed across key blocks.
+    blocks that can see them (in the band; with block_mask, those its mask column lists), P_ij
+    recomputed from the saved lse, dQ summed across key blocks; GQA/MQA: dK, dV summed over each
+    group of query heads.
 
     Arguments as `cupyflash.attention_backward`: `out` and `lse` are the forward's. block_m
     (query rows per step) and block_n (keys per block) default to the kernel's tile. Returns
     float64 (dq, dk, dv).
     """
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window)
     out, lse = _as_float64(out), _as_float64(lse)
     tile = _instantiations.dkdv_tile_shape(p.dtype_name, _instantiations.padded_head_dim(p.head_dim))
     block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
@@ -390,14 +445,14 @@ def tiled_attention_backward(
             k_j, v_j = k[bs, col0 : col0 + cols, hs], v[bs, col0 : col0 + cols, hs]
             dk_j = numpy.zeros_like(k_j)
             dv_j = numpy.zeros_like(k_j)
-            # With causal, query blocks that end before the first query seeing key col0 are skipped.
-            for m_block in query_tiles(p, slab, col0, block_m):
+            # Query blocks outside the band (causal: before key col0's diagonal) are skipped.
+            for m_block in query_tiles(p, slab, col0, cols, block_m):
                 row0 = m_block * block_m
                 rows = min(block_m, sq - row0)
                 q_i, do_i = q[bs, row0 : row0 + rows, hs], dout[bs, row0 : row0 + rows, hs]
                 s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i * scale_log2, k_j)  # Q_i prescaled, as in the forward
-                if p.causal and col0 + block_n - 1 > row0 + sk - sq:
-                    s_ij[..., _tile_causal_mask(row0, rows, col0, cols, sq, sk)] = -numpy.inf
+                if p.local and _band_cuts(p, row0, rows, col0, cols):
+                    s_ij[..., _tile_hidden(p, row0, rows, col0, cols)] = -numpy.inf
                 p_ij = numpy.exp2(s_ij - lse_log2[bs, hs, row0 : row0 + rows])
                 dv_j += numpy.einsum("bhqk,bqhd->bkhd", p_ij, do_i)
                 dp_ij = numpy.einsum("bqhd,bkhd->bhqk", do_i, v_j)
@@ -406,4 +461,4 @@ def tiled_attention_backward(
                 dq[bs, row0 : row0 + rows, hs] += p.scale * numpy.einsum("bhqk,bkhd->bqhd", ds_ij, k_j)
             dk[bs, col0 : col0 + cols, hs] = p.scale * dk_j
             dv[bs, col0 : col0 + cols, hs] = dv_j
-    return dq, dk, dv
+    return dq, _sum_groups(dk, p.kv_group), _sum_groups(dv, p.kv_group)

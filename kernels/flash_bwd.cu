@@ -46,8 +46,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kerne
     }
 }
 
-// Grid: (ceil(seqlen_k / kBlockN), heads, batch). Block: Bt::kNThreads. Shared memory: Bt::kSmemBytes.
-template <typename Bt, bool kIsCausal, bool kIsBlockSparse>
+// Grid: (ceil(seqlen_k / kBlockN), K/V heads, batch). Block: Bt::kNThreads. Shared memory: Bt::kSmemBytes.
+// With GQA/MQA the block walks the query blocks of every query head of its K/V head's group in
+// turn, so dK_j, dV_j sum over the group on chip, in a fixed order, with no K/V copy.
+template <typename Bt, bool kIsLocal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_dkdv_kernel(const BwdParams params) {
     using G = typename Bt::KeyGrid;     // keys x queries, keys x head dim
     using QG = typename Bt::QueryGrid;  // queries x head dim
@@ -65,7 +67,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
     Accum* sD = reinterpret_cast<Accum*>(smem) + Bt::kSmemDOffset;
 
     const int n_block = blockIdx.x;
-    const int head_idx = blockIdx.y;
+    const int kv_head = blockIdx.y;
     const int batch_idx = blockIdx.z;
     const int ty = threadIdx.x / G::kColGroups;
     const int tx = threadIdx.x % G::kColGroups;
@@ -73,17 +75,10 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
     const int keys_valid = min(Bt::kBlockN, params.seqlen_k - col0);
     const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
 
-    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
-                       head_idx * params.q_head_stride;
-    const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
-                          head_idx * params.dout_head_stride;
     const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
-                       head_idx * params.k_head_stride + col0 * params.k_row_stride;
+                       kv_head * params.k_head_stride + col0 * params.k_row_stride;
     const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
-                       head_idx * params.v_head_stride + col0 * params.v_row_stride;
-    const long long vec_offset = row_vector_offset(params, batch_idx, head_idx);
-    const Accum* lse_log2 = static_cast<const Accum*>(params.lse_log2) + vec_offset;
-    const Accum* d = static_cast<const Accum*>(params.d) + vec_offset;
+                       kv_head * params.v_head_stride + col0 * params.v_row_stride;
 
     // K_j and V_j stay on chip for the whole loop (Algorithm 2, line 6).
     load_tile<G, Bt::kBlockN>(sK, k, params.k_row_stride, keys_valid, params.head_dim, Accum(1));
@@ -94,79 +89,89 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
     zero_tile<G>(dK);
     zero_tile<G>(dV);
 
-    // With causal, query i sees key col0 only if col0 <= i + seqlen_k - seqlen_q: earlier query
-    // blocks see nothing of this key block and are skipped, as are those a block mask leaves out.
-    const auto query_blocks = query_tiles<Bt::kBlockM, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, col0);
-    for (int t = query_blocks.begin; t < query_blocks.end; ++t) {
-        const int row0 = query_blocks[t] * Bt::kBlockM;
-        const int rows_valid = min(Bt::kBlockM, params.seqlen_q - row0);
-        __syncthreads();  // every thread is done with the previous Q_i, dO_i, P^T, dS^T, dS
-        // Q_i prescaled by scale·log2(e) as in the forward, so that S_ij comes out bit for bit the
-        // scores the forward's lse_i was summed from (same products, same order over d): P_ij then
-        // sums to 1 over the row up to lse's own rounding.
-        load_tile<G, Bt::kBlockM>(sQ, q + row0 * params.q_row_stride, params.q_row_stride, rows_valid,
-                                  params.head_dim, scale_log2);
-        load_tile<G, Bt::kBlockM>(sdO, dout + row0 * params.dout_row_stride, params.dout_row_stride,
-                                  rows_valid, params.head_dim, Accum(1));
-        if (threadIdx.x < Bt::kBlockM) {
-            // Padding rows get P = exp2(s - inf) = 0, so they add nothing to dV_j, dK_j or dQ.
-            const bool valid = static_cast<int>(threadIdx.x) < rows_valid;
-            sLse2[threadIdx.x] = valid ? lse_log2[row0 + threadIdx.x] : pos_inf<Accum>();
-            sD[threadIdx.x] = valid ? d[row0 + threadIdx.x] : Accum(0);
-        }
-        __syncthreads();  // Q_i, dO_i, lse_i, D_i (and, first time round, K_j, V_j) are in shared memory
+    for (int g = 0; g < params.kv_group; ++g) {
+        const int head_idx = kv_head * params.kv_group + g;
+        const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+                           head_idx * params.q_head_stride;
+        const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+                              head_idx * params.dout_head_stride;
+        const long long vec_offset = row_vector_offset(params, batch_idx, head_idx);
+        const Accum* lse_log2 = static_cast<const Accum*>(params.lse_log2) + vec_offset;
+        const Accum* d = static_cast<const Accum*>(params.d) + vec_offset;
+        // Query blocks outside this key block's band (causal: those before its diagonal) see nothing
+        // of it and are skipped, as are those a block mask leaves out.
+        const auto query_blocks =
+            query_tiles<Bt::kBlockM, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, col0, keys_valid);
+        for (int t = query_blocks.begin; t < query_blocks.end; ++t) {
+            const int row0 = query_blocks[t] * Bt::kBlockM;
+            const int rows_valid = min(Bt::kBlockM, params.seqlen_q - row0);
+            __syncthreads();  // every thread is done with the previous Q_i, dO_i, P^T, dS^T, dS
+            // Q_i prescaled by scale·log2(e) as in the forward, so that S_ij comes out bit for bit
+            // the scores the forward's lse_i was summed from (same products, same order over d):
+            // P_ij then sums to 1 over the row up to lse's own rounding.
+            load_tile<G, Bt::kBlockM>(sQ, q + row0 * params.q_row_stride, params.q_row_stride, rows_valid,
+                                      params.head_dim, scale_log2);
+            load_tile<G, Bt::kBlockM>(sdO, dout + row0 * params.dout_row_stride, params.dout_row_stride,
+                                      rows_valid, params.head_dim, Accum(1));
+            if (threadIdx.x < Bt::kBlockM) {
+                // Padding rows get P = exp2(s - inf) = 0, so they add nothing to dV_j, dK_j or dQ.
+                const bool valid = static_cast<int>(threadIdx.x) < rows_valid;
+                sLse2[threadIdx.x] = valid ? lse_log2[row0 + threadIdx.x] : pos_inf<Accum>();
+                sD[threadIdx.x] = valid ? d[row0 + threadIdx.x] : Accum(0);
+            }
+            __syncthreads();  // Q_i, dO_i, lse_i, D_i (and, first time round, K_j, V_j) are in shared memory
 
-        // P_ij^T = exp(S_ij^T - lse_i), in base 2 (Algorithm 2, lines 9-10).
-        Accum Pt[G::kRowsPerThread][G::kSColsPerThread];
-        compute_scores<G>(Pt, sK, sQ, ty, tx);
-        const bool cut_by_causal = kIsCausal && col0 + Bt::kBlockN - 1 > row0 + params.seqlen_k - params.seqlen_q;
-        if (keys_valid < Bt::kBlockN || cut_by_causal) {
-            apply_mask_transposed<G, kIsCausal>(Pt, col0, row0, params.seqlen_q, params.seqlen_k, ty, tx);
-        }
+            // P_ij^T = exp(S_ij^T - lse_i), in base 2 (Algorithm 2, lines 9-10).
+            Accum Pt[G::kRowsPerThread][G::kSColsPerThread];
+            compute_scores<G>(Pt, sK, sQ, ty, tx);
+            if (keys_valid < Bt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid))) {
+                apply_mask_transposed<G, kIsLocal>(Pt, col0, row0, params, ty, tx);
+            }
 #pragma unroll
-        for (int i = 0; i < G::kRowsPerThread; ++i)
+            for (int i = 0; i < G::kRowsPerThread; ++i)
 #pragma unroll
-            for (int jm = 0; jm < G::kSColsPerThread; ++jm)
-                Pt[i][jm] = exp2_(Pt[i][jm] - sLse2[tx + jm * G::kColGroups]);
+                for (int jm = 0; jm < G::kSColsPerThread; ++jm)
+                    Pt[i][jm] = exp2_(Pt[i][jm] - sLse2[tx + jm * G::kColGroups]);
 
-        // dP_ij^T = V_j dO_i^T, then dS_ij^T = P_ij^T ∘ (dP_ij^T - D_i) (lines 12-14).
-        Accum dSt[G::kRowsPerThread][G::kSColsPerThread];
-        compute_scores<G>(dSt, sV, sdO, ty, tx);
+            // dP_ij^T = V_j dO_i^T, then dS_ij^T = P_ij^T ∘ (dP_ij^T - D_i) (lines 12-14).
+            Accum dSt[G::kRowsPerThread][G::kSColsPerThread];
+            compute_scores<G>(dSt, sV, sdO, ty, tx);
 #pragma unroll
-        for (int i = 0; i < G::kRowsPerThread; ++i)
+            for (int i = 0; i < G::kRowsPerThread; ++i)
 #pragma unroll
-            for (int jm = 0; jm < G::kSColsPerThread; ++jm)
-                dSt[i][jm] = Pt[i][jm] * (dSt[i][jm] - sD[tx + jm * G::kColGroups]);
+                for (int jm = 0; jm < G::kSColsPerThread; ++jm)
+                    dSt[i][jm] = Pt[i][jm] * (dSt[i][jm] - sD[tx + jm * G::kColGroups]);
 
-        store_P<G>(sPt, Pt, ty, tx);
-        store_P<G>(sdSt, dSt, ty, tx);
-        // dQ's grid reads dS by query rows: store it transposed back as well.
+            store_P<G>(sPt, Pt, ty, tx);
+            store_P<G>(sdSt, dSt, ty, tx);
+            // dQ's grid reads dS by query rows: store it transposed back as well.
 #pragma unroll
-        for (int i = 0; i < G::kRowsPerThread; ++i)
+            for (int i = 0; i < G::kRowsPerThread; ++i)
 #pragma unroll
-            for (int jm = 0; jm < G::kSColsPerThread; ++jm)
-                sdS[(tx + jm * G::kColGroups) * Bt::kDSStride + ty * G::kRowsPerThread + i] = dSt[i][jm];
-        // Each thread reads back only its own key rows of P^T and dS^T, written by its warp.
-        __syncwarp();
-        accumulate_tile_sum<G>(dV, sPt, sdO, ty, tx);   // dV_j += P_ij^T dO_i  (line 11)
-        accumulate_tile_sum<G>(dK, sdSt, sQ, ty, tx);   // dK_j += dS_ij^T Q_i  (line 16; Q_i prescaled, see below)
+                for (int jm = 0; jm < G::kSColsPerThread; ++jm)
+                    sdS[(tx + jm * G::kColGroups) * Bt::kDSStride + ty * G::kRowsPerThread + i] = dSt[i][jm];
+            // Each thread reads back only its own key rows of P^T and dS^T, written by its warp.
+            __syncwarp();
+            accumulate_tile_sum<G>(dV, sPt, sdO, ty, tx);   // dV_j += P_ij^T dO_i  (line 11)
+            accumulate_tile_sum<G>(dK, sdSt, sQ, ty, tx);   // dK_j += dS_ij^T Q_i  (line 16; Q_i prescaled)
 
-        if (params.dq_accum != nullptr) {  // uniform across the block
-            __syncthreads();  // all of dS_ij is in shared memory
-            const int qy = threadIdx.x / QG::kColGroups, qx = threadIdx.x % QG::kColGroups;
-            Accum dQ[QG::kRowsPerThread][QG::kOColsPerThread];
-            zero_tile<QG>(dQ);
-            accumulate_pv<QG>(dQ, sdS, sK, qy, qx);  // dQ_i += dS_ij K_j  (line 15)
-            atomic_add_dq<QG>(params, dQ, batch_idx, head_idx, row0, qy, qx);
+            if (params.dq_accum != nullptr) {  // uniform across the block
+                __syncthreads();  // all of dS_ij is in shared memory
+                const int qy = threadIdx.x / QG::kColGroups, qx = threadIdx.x % QG::kColGroups;
+                Accum dQ[QG::kRowsPerThread][QG::kOColsPerThread];
+                zero_tile<QG>(dQ);
+                accumulate_pv<QG>(dQ, sdS, sK, qy, qx);  // dQ_i += dS_ij K_j  (line 15)
+                atomic_add_dq<QG>(params, dQ, batch_idx, head_idx, row0, qy, qx);
+            }
         }
     }
 
     // dK_j = scale · sum_i dS_ij^T Q_i = ln(2) · sum_i dS_ij^T (scale·log2(e) Q_i); dV_j as summed.
     // Written once (lines 18-19).
     Storage* dk = static_cast<Storage*>(params.dk) + batch_idx * params.dk_batch_stride +
-                  head_idx * params.dk_head_stride + col0 * params.dk_row_stride;
+                  kv_head * params.dk_head_stride + col0 * params.dk_row_stride;
     Storage* dv = static_cast<Storage*>(params.dv) + batch_idx * params.dv_batch_stride +
-                  head_idx * params.dv_head_stride + col0 * params.dv_row_stride;
+                  kv_head * params.dv_head_stride + col0 * params.dv_row_stride;
     store_tile<G>(dk, params.dk_row_stride, keys_valid, params.head_dim, dK, static_cast<Accum>(kLn2), ty, tx);
     store_tile<G>(dv, params.dv_row_stride, keys_valid, params.head_dim, dV, Accum(1), ty, tx);
 }
@@ -174,7 +179,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Dt::kNThreads. Shared memory: Dt::kSmemBytes.
 // The forward's loop with dQ_i = scale · sum_j dS_ij K_j in place of O_i = sum_j P_ij V_j: each dQ_i
 // is summed by one thread block in a fixed order, so the result is the same bits every run.
-template <typename Dt, bool kIsCausal, bool kIsBlockSparse>
+template <typename Dt, bool kIsLocal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_kernel(const BwdParams params) {
     using Accum = typename Dt::Accum;
     using Storage = typename Dt::Storage;
@@ -194,16 +199,17 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     const int rows_valid = min(Dt::kBlockM, params.seqlen_q - row0);
     const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
 
-    const auto key_blocks = key_tiles<Dt::kBlockN, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
+    const auto key_blocks = key_tiles<Dt::kBlockN, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
+    const int kv_head = head_idx / params.kv_group;
 
     const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
     const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
                           head_idx * params.dout_head_stride + row0 * params.dout_row_stride;
     const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
-                       head_idx * params.k_head_stride;
+                       kv_head * params.k_head_stride;
     const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
-                       head_idx * params.v_head_stride;
+                       kv_head * params.v_head_stride;
     // Prescaled as in the forward: the same scores, bit for bit (see flash_bwd_dkdv_kernel).
     load_tile<Dt, Dt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim, scale_log2);
     load_tile<Dt, Dt::kBlockM>(sdO, dout, params.dout_row_stride, rows_valid, params.head_dim, Accum(1));
@@ -221,7 +227,6 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
 
     Accum dQ[Dt::kRowsPerThread][Dt::kOColsPerThread];
     zero_tile<Dt>(dQ);
-    const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
     for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
         const int col0 = key_blocks[t] * Dt::kBlockN;
         const int keys_valid = min(Dt::kBlockN, params.seqlen_k - col0);
@@ -234,9 +239,8 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
 
         Accum P[Dt::kRowsPerThread][Dt::kSColsPerThread];
         compute_scores<Dt>(P, sQ, sK, ty, tx);
-        const bool cut_by_causal = kIsCausal && col0 + Dt::kBlockN - 1 > first_row_last_key;
-        if (keys_valid < Dt::kBlockN || cut_by_causal) {
-            apply_mask<Dt, kIsCausal>(P, row0, col0, params.seqlen_q, params.seqlen_k, ty, tx);
+        if (keys_valid < Dt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid))) {
+            apply_mask<Dt, kIsLocal>(P, row0, col0, params, ty, tx);
         }
         Accum dS[Dt::kRowsPerThread][Dt::kSColsPerThread];
         compute_scores<Dt>(dS, sdO, sV, ty, tx);  // dP_ij = dO_i V_j^T

@@ -41,6 +41,8 @@ struct BwdParams {
     int seqlen_q;
     int seqlen_k;
     int head_dim;
+    int kv_group;                    // query heads per K/V head, as in FwdParams
+    int band_first, band_last;       // local attention, as in FwdParams
     double scale;       // softmax scale
     double scale_log2;  // scale · log2(e)
     // Block-sparse attention, as in FwdParams (nullptr: dense); the mask's rows for the dQ kernel
@@ -54,14 +56,19 @@ struct BwdParams {
     int mask_block_q, mask_block_k;
 };
 
-// The query tiles of kBlockM that see the key tile from key0 (the dK/dV kernel's loop): with
-// causal none whose last row is left of key0's diagonal; with a block mask only those of the
-// nonzero blocks of its mask column.
-template <int kBlockM, bool kIsCausal, bool kIsBlockSparse>
+// The query tiles of kBlockM that see the key tile [key0, key0 + keys_valid) (the dK/dV kernel's
+// loop): with local attention (causal included) only those in its band, query i seeing key j when
+// j - band_last <= i <= j - band_first; with a block mask only those of the nonzero blocks of its
+// mask column.
+template <int kBlockM, bool kIsLocal, bool kIsBlockSparse>
 __device__ __forceinline__ TileSequence<kIsBlockSparse> query_tiles(const BwdParams& params, int batch_idx,
-                                                                    int head_idx, int key0) {
-    const int lo = kIsCausal ? max(0, key0 - params.seqlen_k + params.seqlen_q) / kBlockM : 0;
-    const int hi = ceil_div(params.seqlen_q, kBlockM);
+                                                                    int head_idx, int key0, int keys_valid) {
+    int lo = 0, hi = ceil_div(params.seqlen_q, kBlockM);
+    if (kIsLocal) {
+        const int last_query = key0 + keys_valid - 1 - params.band_first;
+        lo = max(0, key0 - params.band_last) / kBlockM;
+        hi = max(lo, min(hi, last_query < 0 ? 0 : last_query / kBlockM + 1));
+    }
     if constexpr (!kIsBlockSparse) {
         return {nullptr, 1, lo, hi};
     } else {
@@ -77,11 +84,11 @@ __device__ __forceinline__ long long row_vector_offset(const BwdParams& params, 
 }
 
 // Transposed mask for a tile of S^T (rows: keys from key0, columns: queries from query0): -inf
-// for keys past seqlen_k and, with causal, keys j > i + (seqlen_k - seqlen_q).
-template <typename Grid, bool kIsCausal>
+// for keys past seqlen_k and, with local attention, keys outside the band.
+template <typename Grid, bool kIsLocal>
 __device__ __forceinline__ void apply_mask_transposed(
     typename Grid::Accum (&St)[Grid::kRowsPerThread][Grid::kSColsPerThread], int key0, int query0,
-    int seqlen_q, int seqlen_k, int ty, int tx) {
+    const BwdParams& params, int ty, int tx) {
     using Accum = typename Grid::Accum;
 #pragma unroll
     for (int i = 0; i < Grid::kRowsPerThread; ++i) {
@@ -89,7 +96,7 @@ __device__ __forceinline__ void apply_mask_transposed(
 #pragma unroll
         for (int jm = 0; jm < Grid::kSColsPerThread; ++jm) {
             const int query = query0 + tx + jm * Grid::kColGroups;
-            if (key >= seqlen_k || (kIsCausal && key > query + seqlen_k - seqlen_q)) St[i][jm] = neg_inf<Accum>();
+            if (key >= params.seqlen_k || (kIsLocal && band_hides(params, query, key))) St[i][jm] = neg_inf<Accum>();
         }
     }
 }

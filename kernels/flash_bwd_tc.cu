@@ -15,26 +15,31 @@
 
 namespace cupyflash {
 
-// Q_i (asynchronously) and lse_i·log2(e), D_i for the kBlockM queries from q_row0. Rows past
-// seqlen_q get lse = +inf, so their P_ij are exactly 0 whatever their (zero) scores.
+// Q_i (asynchronously) and lse_i·log2(e), D_i for the kBlockM queries of (batch, head) from
+// q_row0. Rows past seqlen_q get lse = +inf, so their P_ij are exactly 0 whatever their (zero)
+// scores. The addresses are formed here from the kernel parameters, not kept across the loop
+// in registers, which the d64-d128 kernels have none to spare for.
 template <typename Bt>
 __device__ __forceinline__ void load_query_block(const BwdParams& params, unsigned sQ, float* sLse2, float* sD,
-                                                 const typename Bt::Storage* q, const float* lse_log2, const float* d,
-                                                 int q_row0) {
+                                                 int batch_idx, int head_idx, int q_row0) {
     const int rows_valid = min(Bt::kBlockM, params.seqlen_q - q_row0);
-    load_tile_async<Bt, Bt::kBlockM>(sQ, q + q_row0 * params.q_row_stride, params.q_row_stride, rows_valid,
-                                     params.head_dim);
+    const auto* q = static_cast<const typename Bt::Storage*>(params.q) + batch_idx * params.q_batch_stride +
+                    head_idx * params.q_head_stride + q_row0 * params.q_row_stride;
+    load_tile_async<Bt, Bt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
+    const long long row_stats = row_vector_offset(params, batch_idx, head_idx) + q_row0;
     for (int i = threadIdx.x; i < Bt::kBlockM; i += Bt::kNThreads) {
-        sLse2[i] = i < rows_valid ? lse_log2[q_row0 + i] : pos_inf<float>();
-        sD[i] = i < rows_valid ? d[q_row0 + i] : 0.f;
+        sLse2[i] = i < rows_valid ? static_cast<const float*>(params.lse_log2)[row_stats + i] : pos_inf<float>();
+        sD[i] = i < rows_valid ? static_cast<const float*>(params.d)[row_stats + i] : 0.f;
     }
 }
 
 template <typename Bt>
-__device__ __forceinline__ void load_dout_block(const BwdParams& params, unsigned sdO,
-                                                const typename Bt::Storage* dout, int q_row0) {
-    load_tile_async<Bt, Bt::kBlockM>(sdO, dout + q_row0 * params.dout_row_stride, params.dout_row_stride,
-                                     min(Bt::kBlockM, params.seqlen_q - q_row0), params.head_dim);
+__device__ __forceinline__ void load_dout_block(const BwdParams& params, unsigned sdO, int batch_idx, int head_idx,
+                                                int q_row0) {
+    const auto* dout = static_cast<const typename Bt::Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+                       head_idx * params.dout_head_stride + q_row0 * params.dout_row_stride;
+    load_tile_async<Bt, Bt::kBlockM>(sdO, dout, params.dout_row_stride, min(Bt::kBlockM, params.seqlen_q - q_row0),
+                                     params.head_dim);
 }
 
 // C += A^T B over the queries of the other warps in this warp's row of the grid: dV_j += P^T dO_i
@@ -77,9 +82,10 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned s
     }
 }
 
-// Grid: (ceil(seqlen_k / kBlockN) · kOutSplit, heads, batch). Block: Bt::kNThreads.
-// Shared memory: Bt::kSmemBytes.
-template <typename Bt, bool kIsCausal, bool kIsBlockSparse>
+// Grid: (ceil(seqlen_k / kBlockN) · kOutSplit, K/V heads, batch). Block: Bt::kNThreads.
+// Shared memory: Bt::kSmemBytes. With GQA/MQA the block walks the query blocks of each query head
+// of its K/V head's group in turn (as the scalar kernel): dK_j, dV_j sum over the group on chip.
+template <typename Bt, bool kIsLocal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     flash_bwd_dkdv_tc_kernel(const BwdParams params) {
     using Storage = typename Bt::Storage;
@@ -97,7 +103,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
 
     const int n_block = blockIdx.x / Bt::kOutSplit;
     const int col_out0 = blockIdx.x % Bt::kOutSplit * Bt::kHeadDimOut;  // this block's slice of dK_j, dV_j, dQ_i
-    const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
+    const int kv_head = blockIdx.y, batch_idx = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const Fragment f(lane);
     // Warp (wk, wq): S^T rows warp_keys.., columns warp_queries.. (both local to the block);
@@ -108,37 +114,12 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const int key0 = n_block * Bt::kBlockN;
     const int keys_valid = min(Bt::kBlockN, params.seqlen_k - key0);
 
-    // Query blocks that see this key block: with causal, query i sees key j when
-    // i >= j - (seqlen_k - seqlen_q), so earlier query blocks are skipped, as are those a block
-    // mask leaves out.
-    const auto query_blocks = query_tiles<Bt::kBlockM, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, key0);
-
-    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
-                       head_idx * params.q_head_stride;
-    const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
-                          head_idx * params.dout_head_stride;
     const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
-                       head_idx * params.k_head_stride + key0 * params.k_row_stride;
+                       kv_head * params.k_head_stride + key0 * params.k_row_stride;
     const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
-                       head_idx * params.v_head_stride + key0 * params.v_row_stride;
-    const long long row_stats = row_vector_offset(params, batch_idx, head_idx);
-    const float* lse_log2 = static_cast<const float*>(params.lse_log2) + row_stats;
-    const float* d = static_cast<const float*>(params.d) + row_stats;
-
-    // The query blocks are visited in a rotated order that starts at this key block's index: the
-    // blocks in flight then add into different rows of dQ at a time (atomics on the same
-    // addresses serialise in L2).
-    const int m_blocks = query_blocks.end - query_blocks.begin;
-    int t = m_blocks > 0 ? query_blocks.begin + n_block % m_blocks : 0;
-    const auto after = [&](int t) { return t + 1 < query_blocks.end ? t + 1 : query_blocks.begin; };
-
+                       kv_head * params.v_head_stride + key0 * params.v_row_stride;
     load_tile_async<Bt, Bt::kBlockN>(sK, k, params.k_row_stride, keys_valid, params.head_dim);
     load_tile_async<Bt, Bt::kBlockN>(sV, v, params.v_row_stride, keys_valid, params.head_dim);
-    if (m_blocks > 0) {
-        load_query_block<Bt>(params, sQ, sLse2, sD, q, lse_log2, d, query_blocks[t] * Bt::kBlockM);
-        load_dout_block<Bt>(params, sdO, dout, query_blocks[t] * Bt::kBlockM);
-    }
-    cp_async_commit();
 
     float dV[Bt::kMTiles][Bt::kOutTiles][4], dK[Bt::kMTiles][Bt::kOutTiles][4];
     zero(dV);
@@ -147,109 +128,131 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const unsigned sK_warp = sK + warp_keys * kStride * 2, sV_warp = sV + warp_keys * kStride * 2;
     const unsigned sPt_warp = sPt + warp_keys * kPStride * 2, sdSt_warp = sdSt + warp_keys * kPStride * 2;
 
-    for (int step = 0; step < m_blocks; ++step, t = after(t)) {
-        const int buf = step % 2;
-        const int q_row0 = query_blocks[t] * Bt::kBlockM;
-        const bool has_next = step + 1 < m_blocks;
-        const int next_row0 = query_blocks[after(t)] * Bt::kBlockM;
-        const unsigned sQ_i = sQ + buf * Bt::kBlockM * kStride * 2;
-        const float* sLse2_i = sLse2 + buf * Bt::kBlockM;
-        const float* sD_i = sD + buf * Bt::kBlockM;
-        cp_async_wait<0>();
-        __syncthreads();  // Q_i, dO_i have landed; every warp is done with the last step's P^T, dS^T and buffers
-        const unsigned sdO_i = sdO + (Bt::kDoBuffers == 2 ? buf : 0) * Bt::kBlockM * kStride * 2;
-        if (has_next) {
-            load_query_block<Bt>(params, sQ + (1 - buf) * Bt::kBlockM * kStride * 2, sLse2 + (1 - buf) * Bt::kBlockM,
-                                 sD + (1 - buf) * Bt::kBlockM, q, lse_log2, d, next_row0);
-            if (Bt::kDoBuffers == 2)
-                load_dout_block<Bt>(params, sdO + (1 - buf) * Bt::kBlockM * kStride * 2, dout, next_row0);
+    const int first_head = kv_head * params.kv_group;
+    for (int head_idx = first_head; head_idx < first_head + params.kv_group; ++head_idx) {
+
+        // Query blocks that see this key block: those in its band (causal: from its diagonal on),
+        // and of those only the ones a block mask keeps.
+        const auto query_blocks =
+            query_tiles<Bt::kBlockM, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, key0, keys_valid);
+        // The query blocks are visited in a rotated order that starts at this key block's index:
+        // the blocks in flight then add into different rows of dQ at a time (atomics on the same
+        // addresses serialise in L2).
+        const int m_blocks = query_blocks.end - query_blocks.begin;
+        int t = m_blocks > 0 ? query_blocks.begin + n_block % m_blocks : 0;
+        const auto after = [&](int t) { return t + 1 < query_blocks.end ? t + 1 : query_blocks.begin; };
+        if (m_blocks > 0) {
+            load_query_block<Bt>(params, sQ, sLse2, sD, batch_idx, head_idx, query_blocks[t] * Bt::kBlockM);
+            load_dout_block<Bt>(params, sdO, batch_idx, head_idx, query_blocks[t] * Bt::kBlockM);
         }
         cp_async_commit();
 
-        // S_ij^T = K_j Q_i^T, masked, then P_ij^T = exp2(S^T·scale·log2(e) - lse_i·log2(e)).
-        float St[Bt::kMTiles][Bt::kNTiles][4];
-        zero(St);
-        gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
-            St, sK_warp, sQ_i + warp_queries * kStride * 2, lane);
-        if (keys_valid < Bt::kBlockN ||
-            (kIsCausal && key0 + Bt::kBlockN - 1 > q_row0 + params.seqlen_k - params.seqlen_q))
-            mask_fragments<kIsCausal, true>(St, key0 + warp_keys, q_row0 + warp_queries, params.seqlen_q,
-                                            params.seqlen_k, f);
-#pragma unroll
-        for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-            const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + warp_queries + f.col(nt, 0));
-#pragma unroll
-            for (int mt = 0; mt < Bt::kMTiles; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    St[mt][nt][2 * h] = exp2f(fmaf(St[mt][nt][2 * h], scale_log2, -lse2.x));
-                    St[mt][nt][2 * h + 1] = exp2f(fmaf(St[mt][nt][2 * h + 1], scale_log2, -lse2.y));
-                }
-        }
-
-        // dV_j += P^T dO_i over this warp's queries. P^T is rounded to the input type first, as the
-        // product takes it, and dS below reuses the rounded values: the fp32 scores are then dead
-        // before dP^T is formed, which keeps dK_j, dV_j and both score tiles within registers.
-        unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4];
-        to_a_fragments<Op>(St, Pt);
-        if (Bt::kWarpsQ > 1) store_a_fragments<kPStride>(sPt_warp + warp_queries * 2, Pt, f);
-        gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
-            dV, Pt, sdO_i + (warp_queries * kStride + warp_cols) * 2, lane);
-
-        // dP_ij^T = V_j dO_i^T, then dS_ij^T = P^T ∘ (dP^T - D_i) in place.
-        float dPt[Bt::kMTiles][Bt::kNTiles][4];
-        zero(dPt);
-        gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
-            dPt, sV_warp, sdO_i + warp_queries * kStride * 2, lane);
-#pragma unroll
-        for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-            const float2 d_i = *reinterpret_cast<const float2*>(sD_i + warp_queries + f.col(nt, 0));
-#pragma unroll
-            for (int mt = 0; mt < Bt::kMTiles; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    // A fragment register r holds rows h = r % 2 of n8 tile 2kk + r / 2.
-                    const float2 p = Op::unpack(Pt[mt][nt / 2][(nt % 2) * 2 + h]);
-                    dPt[mt][nt][2 * h] = p.x * (dPt[mt][nt][2 * h] - d_i.x);
-                    dPt[mt][nt][2 * h + 1] = p.y * (dPt[mt][nt][2 * h + 1] - d_i.y);
-                }
-        }
-
-        // dK_j += dS^T Q_i over this warp's queries; dS^T also goes to shared memory for dQ_i.
-        unsigned dSt[Bt::kMTiles][Bt::kNTiles / 2][4];
-        to_a_fragments<Op>(dPt, dSt);
-        store_a_fragments<kPStride>(sdSt_warp + warp_queries * 2, dSt, f);
-        gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
-            dK, dSt, sQ_i + (warp_queries * kStride + warp_cols) * 2, lane);
-        __syncthreads();  // P^T and dS^T are complete
-
-        // dV_j over the other warps' queries; a single dO buffer is then reloaded.
-        if (Bt::kDoBuffers == 1) {
-            mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
-            __syncthreads();  // every warp is done with dO_i
-            if (has_next) load_dout_block<Bt>(params, sdO, dout, next_row0);
+        for (int step = 0; step < m_blocks; ++step, t = after(t)) {
+            const int buf = step % 2;
+            const int q_row0 = query_blocks[t] * Bt::kBlockM;
+            const bool has_next = step + 1 < m_blocks;
+            const int next_row0 = query_blocks[after(t)] * Bt::kBlockM;
+            const unsigned sQ_i = sQ + buf * Bt::kBlockM * kStride * 2;
+            const float* sLse2_i = sLse2 + buf * Bt::kBlockM;
+            const float* sD_i = sD + buf * Bt::kBlockM;
+            cp_async_wait<0>();
+            __syncthreads();  // Q_i, dO_i have landed; every warp is done with the last step's tiles
+            const unsigned sdO_i = sdO + (Bt::kDoBuffers == 2 ? buf : 0) * Bt::kBlockM * kStride * 2;
+            if (has_next) {
+                load_query_block<Bt>(params, sQ + (1 - buf) * Bt::kBlockM * kStride * 2,
+                                     sLse2 + (1 - buf) * Bt::kBlockM, sD + (1 - buf) * Bt::kBlockM, batch_idx,
+                                     head_idx, next_row0);
+                if (Bt::kDoBuffers == 2)
+                    load_dout_block<Bt>(params, sdO + (1 - buf) * Bt::kBlockM * kStride * 2, batch_idx, head_idx,
+                                        next_row0);
+            }
             cp_async_commit();
-        }
 
-        // dQ_i += dS_ij K_j, and dV_j (double-buffered dO) and dK_j over the other warps' queries.
-        // Half the warps add their dQ share first, half last (one of the two warps on each of an
-        // SM's four schedulers, warp w and w + 4): the atomics of all warps at once would queue
-        // up in the load/store unit.
-        const bool dq_first = warp % 8 < 4;
-        if (params.dq_accum != nullptr && dq_first)
-            add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, batch_idx, head_idx, warp, lane);
-        if (Bt::kDoBuffers == 2) mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
-        mma_other_queries<Bt>(dK, sdSt_warp, sQ_i, wq, warp_cols, lane);
-        if (params.dq_accum != nullptr && !dq_first)
-            add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, batch_idx, head_idx, warp, lane);
+            // S_ij^T = K_j Q_i^T, masked, then P_ij^T = exp2(S^T·scale·log2(e) - lse_i·log2(e)).
+            float St[Bt::kMTiles][Bt::kNTiles][4];
+            zero(St);
+            gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
+                St, sK_warp, sQ_i + warp_queries * kStride * 2, lane);
+            if (keys_valid < Bt::kBlockN ||
+                (kIsLocal && band_cuts(params, q_row0, min(Bt::kBlockM, params.seqlen_q - q_row0), key0, keys_valid)))
+                mask_fragments<kIsLocal, true>(St, key0 + warp_keys, q_row0 + warp_queries, params, f);
+#pragma unroll
+            for (int nt = 0; nt < Bt::kNTiles; ++nt) {
+                const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + warp_queries + f.col(nt, 0));
+#pragma unroll
+                for (int mt = 0; mt < Bt::kMTiles; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        St[mt][nt][2 * h] = exp2f(fmaf(St[mt][nt][2 * h], scale_log2, -lse2.x));
+                        St[mt][nt][2 * h + 1] = exp2f(fmaf(St[mt][nt][2 * h + 1], scale_log2, -lse2.y));
+                    }
+            }
+
+            // dV_j += P^T dO_i over this warp's queries. P^T is rounded to the input type first, as
+            // the product takes it, and dS below reuses the rounded values: the fp32 scores are then
+            // dead before dP^T is formed, which keeps dK_j, dV_j and both score tiles in registers.
+            unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4];
+            to_a_fragments<Op>(St, Pt);
+            if (Bt::kWarpsQ > 1) store_a_fragments<kPStride>(sPt_warp + warp_queries * 2, Pt, f);
+            gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
+                dV, Pt, sdO_i + (warp_queries * kStride + warp_cols) * 2, lane);
+
+            // dP_ij^T = V_j dO_i^T, then dS_ij^T = P^T ∘ (dP^T - D_i) in place.
+            float dPt[Bt::kMTiles][Bt::kNTiles][4];
+            zero(dPt);
+            gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
+                dPt, sV_warp, sdO_i + warp_queries * kStride * 2, lane);
+#pragma unroll
+            for (int nt = 0; nt < Bt::kNTiles; ++nt) {
+                const float2 d_i = *reinterpret_cast<const float2*>(sD_i + warp_queries + f.col(nt, 0));
+#pragma unroll
+                for (int mt = 0; mt < Bt::kMTiles; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        // A fragment register r holds rows h = r % 2 of n8 tile 2kk + r / 2.
+                        const float2 p = Op::unpack(Pt[mt][nt / 2][(nt % 2) * 2 + h]);
+                        dPt[mt][nt][2 * h] = p.x * (dPt[mt][nt][2 * h] - d_i.x);
+                        dPt[mt][nt][2 * h + 1] = p.y * (dPt[mt][nt][2 * h + 1] - d_i.y);
+                    }
+            }
+
+            // dK_j += dS^T Q_i over this warp's queries; dS^T also goes to shared memory for dQ_i.
+            unsigned dSt[Bt::kMTiles][Bt::kNTiles / 2][4];
+            to_a_fragments<Op>(dPt, dSt);
+            store_a_fragments<kPStride>(sdSt_warp + warp_queries * 2, dSt, f);
+            gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
+                dK, dSt, sQ_i + (warp_queries * kStride + warp_cols) * 2, lane);
+            __syncthreads();  // P^T and dS^T are complete
+
+            // dV_j over the other warps' queries; a single dO buffer is then reloaded.
+            if (Bt::kDoBuffers == 1) {
+                mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
+                __syncthreads();  // every warp is done with dO_i
+                if (has_next) load_dout_block<Bt>(params, sdO, batch_idx, head_idx, next_row0);
+                cp_async_commit();
+            }
+
+            // dQ_i += dS_ij K_j, and dV_j (double-buffered dO) and dK_j over the other warps'
+            // queries. Half the warps add their dQ share first, half last (one of the two warps on
+            // each of an SM's four schedulers, warp w and w + 4): the atomics of all warps at once
+            // would queue up in the load/store unit.
+            const bool dq_first = warp % 8 < 4;
+            if (params.dq_accum != nullptr && dq_first)
+                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, batch_idx, head_idx, warp, lane);
+            if (Bt::kDoBuffers == 2) mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
+            mma_other_queries<Bt>(dK, sdSt_warp, sQ_i, wq, warp_cols, lane);
+            if (params.dq_accum != nullptr && !dq_first)
+                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, batch_idx, head_idx, warp, lane);
+        }
+        __syncthreads();  // every warp is done with this head's last Q_i, dO_i before the next head's land
     }
     cp_async_wait<0>();  // nothing may still be landing when the block exits
 
     const int warp_key0 = key0 + warp_keys;
     Storage* dk = static_cast<Storage*>(params.dk) + batch_idx * params.dk_batch_stride +
-                  head_idx * params.dk_head_stride + warp_key0 * params.dk_row_stride + warp_cols;
+                  kv_head * params.dk_head_stride + warp_key0 * params.dk_row_stride + warp_cols;
     Storage* dv = static_cast<Storage*>(params.dv) + batch_idx * params.dv_batch_stride +
-                  head_idx * params.dv_head_stride + warp_key0 * params.dv_row_stride + warp_cols;
+                  kv_head * params.dv_head_stride + warp_key0 * params.dv_row_stride + warp_cols;
     store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
                                           params.head_dim - warp_cols, dK, static_cast<float>(params.scale), f);
     store_fragments<typename Bt::Element>(dv, params.dv_row_stride, params.seqlen_k - warp_key0,
@@ -258,7 +261,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
 
 // Grid: (ceil(seqlen_q / kBlockM) · kOutSplit, heads, batch). Block: Dt::kNThreads.
 // Shared memory: Dt::kSmemBytes.
-template <typename Dt, bool kIsCausal, bool kIsBlockSparse>
+template <typename Dt, bool kIsLocal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_tc_kernel(const BwdParams params) {
     using Storage = typename Dt::Storage;
     using Op = typename Dt::Op;
@@ -269,7 +272,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     const unsigned sK = smem_address(smem) + Dt::kSmemKOffset * 2;    // K_j [2][kBlockN][kStride]
     const unsigned sV = smem_address(smem) + Dt::kSmemVOffset * 2;    // V_j [2][kBlockN][kStride]
 
-    const int m_block = (kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) / Dt::kOutSplit;  // long rows first
+    const int m_block = (kIsLocal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) / Dt::kOutSplit;  // long rows first
     const int col_out0 = blockIdx.x % Dt::kOutSplit * Dt::kHeadDimOut;
     const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -278,16 +281,17 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     const int rows_valid = min(Dt::kBlockM, params.seqlen_q - row0);
     const int warp_row0 = row0 + warp * Dt::kWarpRows;
 
-    const auto key_blocks = key_tiles<Dt::kBlockN, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
+    const auto key_blocks = key_tiles<Dt::kBlockN, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
+    const int kv_head = head_idx / params.kv_group;
 
     const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
     const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
                           head_idx * params.dout_head_stride + row0 * params.dout_row_stride;
     const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
-                       head_idx * params.k_head_stride;
+                       kv_head * params.k_head_stride;
     const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
-                       head_idx * params.v_head_stride;
+                       kv_head * params.v_head_stride;
 
     // This thread's rows' lse_i·log2(e) and D_i; rows past seqlen_q get P = 0 (lse = +inf).
     float lse2[Dt::kMTiles][2], d_i[Dt::kMTiles][2];
@@ -307,7 +311,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     // attention existed: the same meaning, but NVRTC schedules the loop differently otherwise.)
     int n_block = key_blocks.begin < key_blocks.end ? key_blocks[key_blocks.begin] : 0;
     if (key_blocks.begin < key_blocks.end) {
-        const int first = kIsBlockSparse ? n_block * Dt::kBlockN : 0;
+        const int first = kIsBlockSparse || kIsLocal ? n_block * Dt::kBlockN : 0;
         const int first_valid = min(Dt::kBlockN, params.seqlen_k - first);
         load_tile_async<Dt, Dt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
         load_tile_async<Dt, Dt::kBlockM>(sdO, dout, params.dout_row_stride, rows_valid, params.head_dim);
@@ -321,12 +325,11 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     float dQ[Dt::kMTiles][kOutTiles][4];
     zero(dQ);
     const float scale_log2 = static_cast<float>(params.scale_log2);
-    const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
     const unsigned sQ_warp = sQ + warp * Dt::kWarpRows * Dt::kStride * 2;
     const unsigned sdO_warp = sdO + warp * Dt::kWarpRows * Dt::kStride * 2;
 
     for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
-        const int buf = (kIsBlockSparse ? t - key_blocks.begin : t) % 2;
+        const int buf = (kIsBlockSparse || kIsLocal ? t - key_blocks.begin : t) % 2;  // the first tile in buffer 0
         const int col0 = (kIsBlockSparse ? n_block : t) * Dt::kBlockN;
         if (kIsBlockSparse && t + 1 < key_blocks.end) n_block = key_blocks[t + 1];
         const int keys_valid = min(Dt::kBlockN, params.seqlen_k - col0);
@@ -347,8 +350,8 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
         float S[Dt::kMTiles][Dt::kNTiles][4], dP[Dt::kMTiles][Dt::kNTiles][4];
         zero(S);
         gemm_abt_ss<Op, Dt::kMTiles, Dt::kNTiles, Dt::kKSteps, Dt::kStride, Dt::kStride>(S, sQ_warp, sK_j, lane);
-        if (keys_valid < Dt::kBlockN || (kIsCausal && col0 + Dt::kBlockN - 1 > first_row_last_key))
-            mask_fragments<kIsCausal, false>(S, warp_row0, col0, params.seqlen_q, params.seqlen_k, f);
+        if (keys_valid < Dt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid)))
+            mask_fragments<kIsLocal, false>(S, warp_row0, col0, params, f);
         zero(dP);
         gemm_abt_ss<Op, Dt::kMTiles, Dt::kNTiles, Dt::kKSteps, Dt::kStride, Dt::kStride>(dP, sdO_warp, sV_j, lane);
         // dS_ij = P_ij ∘ (dP_ij - D_i), P_ij = exp2(S·scale·log2(e) - lse_i·log2(e)), in place in dP.

@@ -8,7 +8,7 @@ namespace cupyflash {
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads threads.
 // Dynamic shared memory: Kt::kSmemBytes.
-template <typename Kt, bool kIsCausal, bool kIsBlockSparse>
+template <typename Kt, bool kIsLocal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_kernel(const FwdParams params) {
     using Accum = typename Kt::Accum;
     using Storage = typename Kt::Storage;
@@ -26,15 +26,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     const int row0 = m_block * Kt::kBlockM;
     const int rows_valid = min(Kt::kBlockM, params.seqlen_q - row0);
 
-    // Key blocks K_j, V_j this query block visits (all that causal leaves visible, or the mask's).
-    const auto key_blocks = key_tiles<Kt::kBlockN, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
+    // Key blocks K_j, V_j this query block visits (those in its band, or the mask's).
+    const auto key_blocks = key_tiles<Kt::kBlockN, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
+    const int kv_head = head_idx / params.kv_group;
 
     const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
     const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
-                       head_idx * params.k_head_stride;
+                       kv_head * params.k_head_stride;
     const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
-                       head_idx * params.v_head_stride;
+                       kv_head * params.v_head_stride;
 
     // Q_i stays on chip for the whole loop, prescaled so that S_ij comes out in log2 units.
     load_tile<Kt, Kt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim,
@@ -51,8 +52,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         for (int c = 0; c < Kt::kOColsPerThread; ++c) O[i][c] = Accum(0);
     }
 
-    // Rows of this block whose causal diagonal falls left of a key tile need per-element masks.
-    const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
     // n_block is the tile of position t, read a step ahead: block-sparse, the next index's load
     // then overlaps this tile's work (and the loop needs one register less than indexing twice).
     int n_block = key_blocks.begin < key_blocks.end ? key_blocks[key_blocks.begin] : 0;
@@ -69,9 +68,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
         Accum S[Kt::kRowsPerThread][Kt::kSColsPerThread];
         compute_scores<Kt>(S, sQ, sK, ty, tx);
-        const bool cut_by_causal = kIsCausal && col0 + Kt::kBlockN - 1 > first_row_last_key;
-        if (keys_valid < Kt::kBlockN || cut_by_causal) {
-            apply_mask<Kt, kIsCausal>(S, row0, col0, params.seqlen_q, params.seqlen_k, ty, tx);
+        if (keys_valid < Kt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid))) {
+            apply_mask<Kt, kIsLocal>(S, row0, col0, params, ty, tx);
         }
         online_softmax<Kt>(S, O, m, l);
         store_P<Kt>(sP, S, ty, tx);

@@ -25,6 +25,10 @@ struct FwdParams {
     int seqlen_q;
     int seqlen_k;
     int head_dim;             // the true head dim, <= the kernel's padded kHeadDim
+    int kv_group;             // query heads per K/V head (GQA/MQA; 1: multi-head): K, V head = head / kv_group
+    // Local attention (kIsLocal instantiations only): query i sees keys i + band_first <= j <=
+    // i + band_last; see band_hides.
+    int band_first, band_last;
     double scale_log2;        // softmax scale * log2(e): scores live in base 2, so exp2 suffices
     // Block-sparse attention (FlashAttention, Algorithm 5); nullptr: dense. The mask's nonzero
     // blocks M_ij in compressed form, per mask row (a query block of mask_block_q queries): their
@@ -46,15 +50,35 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Key blocks of kBlockN that the query rows [row0, row0 + rows_valid) can see: all of them, or with
-// causal those up to the last row's last visible key (row + seqlen_k - seqlen_q); later blocks
-// are skipped entirely.
-template <int kBlockN, bool kIsCausal>
-__device__ __forceinline__ int visible_key_blocks(int row0, int rows_valid, int seqlen_q, int seqlen_k) {
-    const int n_blocks = ceil_div(seqlen_k, kBlockN);
-    if (!kIsCausal) return n_blocks;
-    const int last_key = row0 + rows_valid - 1 + seqlen_k - seqlen_q;
-    return min(n_blocks, last_key < 0 ? 0 : last_key / kBlockN + 1);
+// Local attention's band, aligned to the bottom-right corner of the score matrix like causal:
+// query i sees the keys i + band_first <= j <= i + band_last, where band_first = seqlen_k -
+// seqlen_q - window_left and band_last = seqlen_k - seqlen_q + window_right. Causal is the band
+// with window_right = 0 and window_left unbounded. The host computes both ends (clamped so that
+// no sum overflows): read from the kernel's parameters they take no registers, which the 16-bit
+// forward at d64-128 has none to spare for.
+template <typename Params>
+__device__ __forceinline__ bool band_hides(const Params& params, int query, int key) {
+    return key < query + params.band_first || key > query + params.band_last;
+}
+
+// Whether an edge of the band runs through the tile of queries [row0, row0 + rows) and keys
+// [col0, col0 + cols): only such tiles need the per-element mask.
+template <typename Params>
+__device__ __forceinline__ bool band_cuts(const Params& params, int row0, int rows, int col0, int cols) {
+    return col0 + cols - 1 > row0 + params.band_last || col0 < row0 + rows - 1 + params.band_first;
+}
+
+// Key tiles [lo, hi) of kBlockN that the query rows [row0, row0 + rows_valid) can see: all of them,
+// or with local attention (causal included) those between the first row's first visible key and
+// the last row's last; tiles outside are skipped entirely.
+template <int kBlockN, bool kIsLocal, typename Params>
+__device__ __forceinline__ int2 visible_key_tiles(const Params& params, int row0, int rows_valid) {
+    const int n_blocks = ceil_div(params.seqlen_k, kBlockN);
+    if (!kIsLocal) return make_int2(0, n_blocks);
+    const int last_key = row0 + rows_valid - 1 + params.band_last;
+    const int lo = max(row0 + params.band_first, 0) / kBlockN;
+    const int hi = min(n_blocks, last_key < 0 ? 0 : last_key / kBlockN + 1);
+    return make_int2(lo, max(lo, hi));
 }
 
 // The tiles a thread block visits along one axis, in order: positions begin..end-1 of either every
@@ -104,18 +128,18 @@ __device__ __forceinline__ long long mask_slab(const Params& params, int batch_i
     return batch_idx * params.mask_batch_stride + head_idx * params.mask_head_stride;
 }
 
-// The key tiles of kBlockN a query tile [row0, row0 + rows_valid) visits: with causal none right
-// of its last row's diagonal; with a block mask only those of its mask row's nonzero blocks.
-template <int kBlockN, bool kIsCausal, bool kIsBlockSparse, typename Params>
+// The key tiles of kBlockN a query tile [row0, row0 + rows_valid) visits: with local attention
+// (causal included) none outside its band; with a block mask only those of its mask row's nonzero blocks.
+template <int kBlockN, bool kIsLocal, bool kIsBlockSparse, typename Params>
 __device__ __forceinline__ TileSequence<kIsBlockSparse> key_tiles(const Params& params, int batch_idx, int head_idx,
                                                                   int row0, int rows_valid) {
-    const int visible = visible_key_blocks<kBlockN, kIsCausal>(row0, rows_valid, params.seqlen_q, params.seqlen_k);
+    const int2 visible = visible_key_tiles<kBlockN, kIsLocal>(params, row0, rows_valid);
     if constexpr (!kIsBlockSparse) {
-        return {nullptr, 1, 0, visible};
+        return {nullptr, 1, visible.x, visible.y};
     } else {
         const long long row = mask_slab(params, batch_idx, head_idx) * params.mask_q_blocks + row0 / params.mask_block_q;
         return sparse_tiles(params.kv_block_index + row * params.mask_k_blocks, params.kv_block_count[row],
-                            params.mask_block_k / kBlockN, 0, visible);
+                            params.mask_block_k / kBlockN, visible.x, visible.y);
     }
 }
 
@@ -181,21 +205,20 @@ __device__ __forceinline__ void compute_scores(
     }
 }
 
-// Sets to -inf the scores of keys past seqlen_k and, with causal, of keys j > i + (seqlen_k -
-// seqlen_q) (bottom-right alignment). Called only on tiles that a boundary cuts through.
-template <typename Kt, bool kIsCausal>
+// Sets to -inf the scores of keys past seqlen_k and, with local attention, of keys outside the
+// band. Called only on tiles that a boundary cuts through.
+template <typename Kt, bool kIsLocal, typename Params>
 __device__ __forceinline__ void apply_mask(
     typename Kt::Accum (&S)[Kt::kRowsPerThread][Kt::kSColsPerThread], int row0, int col0,
-    int seqlen_q, int seqlen_k, int ty, int tx) {
+    const Params& params, int ty, int tx) {
     using Accum = typename Kt::Accum;
 #pragma unroll
     for (int i = 0; i < Kt::kRowsPerThread; ++i) {
         const int row = row0 + ty * Kt::kRowsPerThread + i;
-        const int col_limit = kIsCausal ? min(seqlen_k, row + seqlen_k - seqlen_q + 1) : seqlen_k;
 #pragma unroll
         for (int jn = 0; jn < Kt::kSColsPerThread; ++jn) {
             const int col = col0 + tx + jn * Kt::kColGroups;
-            if (col >= col_limit) S[i][jn] = neg_inf<Accum>();
+            if (col >= params.seqlen_k || (kIsLocal && band_hides(params, row, col))) S[i][jn] = neg_inf<Accum>();
         }
     }
 }

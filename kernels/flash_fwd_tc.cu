@@ -82,7 +82,7 @@ __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[
 }
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads. Shared memory: Kt::kSmemBytes.
-template <typename Kt, bool kIsCausal, bool kIsBlockSparse>
+template <typename Kt, bool kIsLocal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_tc_kernel(const FwdParams params) {
     using Storage = typename Kt::Storage;
     using Op = typename Kt::Op;
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
     // With causal, query blocks further down see more keys; they are started first (the grid
     // runs in blockIdx order), so the short ones fill in the tail of the launch.
-    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int m_block = kIsLocal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const Fragment f(lane);
@@ -101,15 +101,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     const int rows_valid = min(Kt::kBlockM, params.seqlen_q - row0);
     const int warp_row0 = row0 + warp * Kt::kWarpRows;
 
-    // Key blocks K_j, V_j this query block visits (all that causal leaves visible, or the mask's).
-    const auto key_blocks = key_tiles<Kt::kBlockN, kIsCausal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
+    // Key blocks K_j, V_j this query block visits (those in its band, or the mask's).
+    const auto key_blocks = key_tiles<Kt::kBlockN, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
+    const int kv_head = head_idx / params.kv_group;
 
     const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
     const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
-                       head_idx * params.k_head_stride;
+                       kv_head * params.k_head_stride;
     const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
-                       head_idx * params.v_head_stride;
+                       kv_head * params.v_head_stride;
 
     float O[Kt::kMTiles][Kt::kHeadDim / 8][4];
     float m[Kt::kMTiles][2], l[Kt::kMTiles][2];
@@ -119,20 +120,21 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 #pragma unroll
         for (int h = 0; h < 2; ++h) m[mt][h] = neg_inf<float>(), l[mt][h] = 0.f;
 
-    // (Dense, the first and next tiles are written as the dense kernel always had them: indexing
-    // the dense sequence means the same, yet NVRTC then schedules the whole loop differently.)
+    // (Dense and not local, the first tile is written as the dense kernel always had it, 0:
+    // indexing the dense sequence means the same, yet NVRTC then schedules the whole loop differently.)
     if (key_blocks.begin < key_blocks.end) {
-        const int first = kIsBlockSparse ? key_blocks[key_blocks.begin] * Kt::kBlockN : 0;
+        const int first = kIsBlockSparse || kIsLocal ? key_blocks[key_blocks.begin] * Kt::kBlockN : 0;
         load_tile_async<Kt, Kt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
         load_tile_async<Kt, Kt::kBlockN>(sK, k + first * params.k_row_stride, params.k_row_stride,
                                          min(Kt::kBlockN, params.seqlen_k - first), params.head_dim);
         cp_async_commit();
     }
     const float scale_log2 = static_cast<float>(params.scale_log2);
-    // Key tiles right of this first one cross some row's causal diagonal and need the mask.
-    const int first_row_last_key = row0 + params.seqlen_k - params.seqlen_q;
 
-    for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
+    // Dense, the loop counts from tile 0 and passes over the tiles left of the band one compare
+    // each: started at a runtime tile, NVRTC spills 100 bytes at d64 and d128 (local attention).
+    for (int t = kIsBlockSparse ? key_blocks.begin : 0; t < key_blocks.end; ++t) {
+        if (!kIsBlockSparse && t < key_blocks.begin) continue;
         const int col0 = key_blocks[t] * Kt::kBlockN;
         const int keys_valid = min(Kt::kBlockN, params.seqlen_k - col0);
         cp_async_wait<0>();
@@ -145,8 +147,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         zero(S);
         gemm_abt_ss<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride, Kt::kStride>(
             S, sQ + warp * Kt::kWarpRows * Kt::kStride * 2, sK, lane);
-        if (keys_valid < Kt::kBlockN || (kIsCausal && col0 + Kt::kBlockN - 1 > first_row_last_key))
-            mask_fragments<kIsCausal, false>(S, warp_row0, col0, params.seqlen_q, params.seqlen_k, f);
+        if (keys_valid < Kt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid)))
+            mask_fragments<kIsLocal, false>(S, warp_row0, col0, params, f);
         online_softmax_tc<Kt>(S, O, m, l, scale_log2);
         unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
         to_a_fragments<Op>(S, P);

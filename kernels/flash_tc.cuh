@@ -225,12 +225,14 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + shfl_xor(x, 2);
 }
 
-// -inf for keys >= seqlen_k and, with causal, keys j > i + (seqlen_k - seqlen_q) (bottom-right
-// aligned). Rows are queries from row0 and columns keys from col0, or with kTransposed (S^T in the
-// dK/dV kernel) rows are keys and columns queries.
-template <bool kIsCausal, bool kTransposed, int kMTiles, int kNTiles>
-__device__ __forceinline__ void mask_fragments(float (&S)[kMTiles][kNTiles][4], int row0, int col0, int seqlen_q,
-                                           int seqlen_k, const Fragment& f) {
+// -inf for keys >= seqlen_k and, with local attention (causal included), keys outside the band.
+// Rows are queries from row0 and columns keys from col0, or with kTransposed (S^T in the dK/dV
+// kernel) rows are keys and columns queries.
+template <bool kIsLocal, bool kTransposed, int kMTiles, int kNTiles, typename Params>
+__device__ __forceinline__ void mask_fragments(float (&S)[kMTiles][kNTiles][4], int row0, int col0,
+                                               const Params& params, const Fragment& f) {
+    // Each edge in a pass of its own: the two-sided test in one pass costs the 16-bit kernels at
+    // 255 registers (forward d64-128, dK/dV) spills.
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -241,8 +243,23 @@ __device__ __forceinline__ void mask_fragments(float (&S)[kMTiles][kNTiles][4], 
                 for (int e = 0; e < 2; ++e) {
                     const int row = row0 + f.row(mt, h), col = col0 + f.col(nt, e);
                     const int query = kTransposed ? col : row, key = kTransposed ? row : col;
-                    if (key >= seqlen_k || (kIsCausal && key > query + seqlen_k - seqlen_q))
+                    if (key >= params.seqlen_k || (kIsLocal && key > query + params.band_last))
                         S[mt][nt][2 * h + e] = neg_inf<float>();
+                }
+    // The forward skips the left pass when the band has no left edge (causal); in the dK/dV kernel
+    // (kTransposed) the test itself costs the d256 H100 tile spills.
+    if (!kIsLocal || (!kTransposed && params.band_first <= -params.seqlen_q)) return;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int row = row0 + f.row(mt, h), col = col0 + f.col(nt, e);
+                    const int query = kTransposed ? col : row, key = kTransposed ? row : col;
+                    if (key < query + params.band_first) S[mt][nt][2 * h + e] = neg_inf<float>();
                 }
 }
 

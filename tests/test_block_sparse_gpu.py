@@ -62,18 +62,20 @@ def test_batch_masks_block_sizes_and_rows_with_no_key(rng, nan_outputs, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_full_mask_is_bitwise_dense_attention(rng, dtype):
     """With every block nonzero the kernels take the same tiles in the same order as dense
-    attention: the same bits (dq in deterministic mode; the atomic dq's order varies). Head dim
-    59 (padded to 64), where the block-sparse kernels have the dense kernels' tiles (at d65-128
-    the 16-bit forward's differ, `tc_fwd_tile_shape`)."""
+    attention: the same bits (dq in deterministic mode; the atomic dq's order varies). Head dims
+    where the block-sparse kernels have the dense kernels' tiles: 59 (padded to 64) not causal, 150
+    (padded to 160) causal (at d65-128 the 16-bit forward's differ, and at d <= 64 the causal
+    one's, `tc_fwd_tile_shape`)."""
     import cupy
 
     from cupyflash import _instantiations
 
-    assert _instantiations.tc_fwd_tile_shape(64, True) == _instantiations.tc_fwd_tile_shape(64)
-    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 333, 517, 2, 59))
-    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
-    mask = BlockMask(numpy.ones((1, 3, 5), bool))
-    for causal in (False, True):
+    for causal, head_dim in ((False, 59), (True, 150)):
+        d = _instantiations.padded_head_dim(head_dim)
+        assert _instantiations.tc_fwd_tile_shape(d, True, causal) == _instantiations.tc_fwd_tile_shape(d, False, causal)
+        q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 333, 517, 2, head_dim))
+        dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+        mask = BlockMask(numpy.ones((1, 3, 5), bool))
         dense = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
         sparse = cupyflash.block_sparse_attention(q, k, v, mask, causal=causal, return_lse=True)
         for a, b in zip(dense, sparse):

@@ -66,7 +66,7 @@ def test_batch_heads_head_dim_mismatch(rng, which, axis, label):
     shape = list(arrays[which].shape)
     shape[axis] += 1
     arrays[which] = rng.standard_normal(shape).astype(numpy.float32)
-    check_raises(ValueError, rf"^{which} must have shape \(batch=2, seqlen_k, heads=3, head_dim=16\)", **arrays)
+    check_raises(ValueError, rf"^{which} must have shape \(batch=2, seqlen_k, heads_kv, head_dim=16\) with heads_kv dividing q.s 3 heads", **arrays)
 
 
 def test_seqlen_mismatch_between_k_and_v(qkv, rng):
@@ -186,7 +186,7 @@ def test_backward_lse_shape_and_dtype(bwd_args):
 
 
 def test_backward_checks_q_k_v_like_the_forward(bwd_args):
-    check_backward_raises(ValueError, r"^k must have shape \(batch=2, seqlen_k, heads=3, head_dim=16\)",
+    check_backward_raises(ValueError, r"^k must have shape \(batch=2, seqlen_k, heads_kv, head_dim=16\) with heads_kv dividing",
                           dict(bwd_args, k=bwd_args["k"][:, :, :2]))
     check_backward_raises(TypeError, r"^dout must be an array", dict(bwd_args, dout=[1.0]))
     check_backward_raises(ValueError, r"^scale must be finite and positive", bwd_args, scale=-1.0)
