@@ -4,6 +4,7 @@
                               [--seqlen 512 ... --seqlen 16384] [--extra-head-dim 32 ...] [--flex]
                               [--out benchmarks/results]
     python -m cupyflash bench --sparse ...      the block-sparse grid (benchmarks/bench_sparse.py)
+    python -m cupyflash bench --decode ...      KV-cache decoding (benchmarks/bench_decode.py)
 
 The grid is FlashAttention's: batch x seqlen = 16384 tokens, hidden 2048 (heads = 2048 / head_dim),
 causal and not. For each problem, on the same inputs (random normal, never zeros):
@@ -251,14 +252,16 @@ def check(pr, q, k, v, dout, out, grads, peers):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--sparse" in argv:  # the block-sparse grid: benchmarks/bench_sparse.py
-        import importlib.util
+    for flag, script in (("--sparse", "bench_sparse"), ("--decode", "bench_decode")):
+        if flag in argv:  # the block-sparse grid, the KV-cache decoding grid: their own scripts
+            import importlib.util
 
-        path = pathlib.Path(__file__).resolve().parent / "bench_sparse.py"
-        spec = importlib.util.spec_from_file_location("cupyflash_bench_sparse", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.main([a for a in argv if a != "--sparse"], sys.modules[__name__])
+            path = pathlib.Path(__file__).resolve().parent / f"{script}.py"
+            spec = importlib.util.spec_from_file_location(f"cupyflash_{script}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses look their module up there
+            spec.loader.exec_module(module)
+            return module.main([a for a in argv if a != flag], sys.modules[__name__])
     args = parse_args(argv)
     matplotlib, tqdm, device, date, stem = start_run("bench")
     import cupy

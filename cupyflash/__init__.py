@@ -1,7 +1,8 @@
 """cupyflash: exact FlashAttention for NumPy, CuPy, PyTorch and JAX arrays.
 
 `attention` and `attention_backward` take arrays of any of these frameworks (and
-`block_sparse_attention` / `block_sparse_attention_backward` with a `BlockMask`); `cupyflash.torch`
+`block_sparse_attention` / `block_sparse_attention_backward` with a `BlockMask`, and
+`attention_decode` for KV-cache decoding); `cupyflash.torch`
 and `cupyflash.jax` wrap them as differentiable functions (torch.autograd / jax.custom_vjp).
 
 Tiled CUDA kernels (kernels/*.cu, compiled at run time through CuPy's NVRTC) compute exact
@@ -18,11 +19,13 @@ from cupyflash._attention import (
     gpu_available,
 )
 from cupyflash._block_mask import BlockMask
+from cupyflash._decode import attention_decode
 
 __all__ = [
     "BlockMask",
     "attention",
     "attention_backward",
+    "attention_decode",
     "block_sparse_attention",
     "block_sparse_attention_backward",
     "gpu_available",

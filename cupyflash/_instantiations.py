@@ -348,7 +348,7 @@ def all_bwd_kernels() -> list:
 def all_kernels(arch: str | None = None) -> list:
     """Every instantiation: what `check-kernels` and the CPU compile tests build; with arch
     (e.g. "sm_80", "sm_90a"), those that can run on it (`runs_on`)."""
-    kernels = all_fwd_kernels() + all_bwd_kernels() + all_tc_kernels()
+    kernels = all_fwd_kernels() + all_bwd_kernels() + all_tc_kernels() + all_decode_kernels()
     return kernels if arch is None else [k for k in kernels if runs_on(k, arch)]
 
 
@@ -592,12 +592,157 @@ BWD_PARAMS_DTYPE = numpy.dtype(
     align=True,
 )
 
+# --------------------------------------------------------------------------- KV-cache decoding
+
+# kernels/flash_decode.cu. Decoding reads the whole cache for a handful of query rows, so its tiles
+# are chosen for bytes in flight, not for FLOPs: the tensor-core kernel keeps kStages - 1 tiles of
+# K and V (64 keys each) loading while one is used, and both kernels pack a GQA group's heads and
+# the query positions into the rows of one tile (`DecodeLayout`).
+DECODE_WARPS = 4
+DECODE_MAX_SPLITS = 128  # flash_decode_combine_kernel's kMaxSplits (at most its threads)
+DECODE_COMBINE_THREADS = 128  # threads per block (one block per row) of the combine kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeKernel:
+    """What the two decode kernels share: one instantiation per (dtype, padded head dim), whose
+    traits' template arguments and shared memory the subclasses give (`traits_args`, `smem_bytes`)."""
+
+    dtype_name: str
+    head_dim: int  # padded
+
+    source_file = "flash_decode.cu"
+    num_threads = 32 * DECODE_WARPS
+
+    @property
+    def traits(self) -> str:
+        args = ", ".join(str(x) for x in (self.head_dim, *self.traits_args))
+        return f"cupyflash::{self.traits_name}<{ELEMENT_TYPES[self.dtype_name]}, {args}>"
+
+    @property
+    def name_expression(self) -> str:
+        return f"cupyflash::{self.kernel_name}<{self.traits}>"
+
+    def merge_bytes(self) -> int:
+        """DecodeLayout::kMergeBytes: every warp's m, l and O for the block's rows, in Accum."""
+        return DECODE_WARPS * self.rows * (self.head_dim + 2) * accum_itemsize(self.dtype_name)
+
+    def host_checks(self) -> str:
+        return (f"static_assert({self.traits}::kSmemBytes == {self.smem_bytes}, "
+                f'"cupyflash/_instantiations.py and {self.traits_name} disagree on shared memory");\n')
+
+
+@dataclasses.dataclass(frozen=True)
+class TcDecodeKernel(_DecodeKernel):
+    """flash_decode_tc_kernel: 16 packed rows per block, the keys split over warps and blocks."""
+
+    kernel_name = "flash_decode_tc_kernel"
+    traits_name = "TcDecodeTraits"
+    rows = 16
+    block_n = 16 * DECODE_WARPS
+
+    @property
+    def stages(self) -> int:
+        # Three stages fit two blocks per SM on an H100 up to d128; above, two (A100's 163 KiB).
+        return 3 if self.head_dim <= 128 else 2
+
+    @property
+    def traits_args(self) -> tuple:
+        return DECODE_WARPS, self.stages
+
+    @functools.cached_property  # on every decoding step's launch path
+    def smem_bytes(self) -> int:
+        # Mirrors TcDecodeTraits::kSmemBytes: Q and kStages x (K_j, V_j), or the warps' merge.
+        tiles = _tc_tile_bytes(self.rows + 2 * self.stages * self.block_n, self.head_dim)
+        return max(tiles, self.merge_bytes())
+
+
+def decode_rows(dtype_name: str, padded_head_dim: int) -> int:
+    """Packed rows per block of the CUDA-core decode kernel: each lane holds rows x ceil(d / 32)
+    output accumulators, kept to 64 32-bit registers."""
+    words = accum_itemsize(dtype_name) // 4 * math.ceil(padded_head_dim / 32)
+    return min(16, 64 // words)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernel(_DecodeKernel):
+    """flash_decode_kernel (CUDA cores, every dtype): `decode_rows` packed rows per block."""
+
+    kernel_name = "flash_decode_kernel"
+    traits_name = "DecodeTraits"
+    block_n = 32 * DECODE_WARPS
+
+    @property
+    def rows(self) -> int:
+        return decode_rows(self.dtype_name, self.head_dim)
+
+    @property
+    def traits_args(self) -> tuple:
+        return self.rows, DECODE_WARPS
+
+    @functools.cached_property  # on every decoding step's launch path
+    def smem_bytes(self) -> int:
+        # Mirrors DecodeTraits::kSmemBytes: Q [rows][d] in Accum, or the warps' merge.
+        return max(self.rows * self.head_dim * accum_itemsize(self.dtype_name), self.merge_bytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStepKernel:
+    """The decode kernels around the attention one: "combine" (split results merged through their
+    lse, one block per row) or "append" (new keys and values copied into the caches)."""
+
+    step: str
+    dtype_name: str
+
+    source_file = "flash_decode.cu"
+    smem_bytes = 0
+    head_dim = 0  # any
+
+    @property
+    def num_threads(self) -> int:
+        return DECODE_COMBINE_THREADS if self.step == "combine" else 128
+
+    @property
+    def name_expression(self) -> str:
+        element = ELEMENT_TYPES[self.dtype_name]
+        if self.step == "combine":
+            return f"cupyflash::flash_decode_combine_kernel<{element}, {DECODE_COMBINE_THREADS}, {DECODE_MAX_SPLITS}>"
+        return f"cupyflash::flash_decode_append_kernel<{element}>"
+
+    def host_checks(self) -> str:
+        return ""
+
+
+def decode_kernel(dtype_name: str, head_dim: int, tensor_cores: bool = False):
+    """The decode kernel for a problem: TcDecodeKernel with tensor_cores (16-bit only), else DecodeKernel."""
+    _check_tensor_core_dtype(dtype_name, tensor_cores)
+    return (TcDecodeKernel if tensor_cores else DecodeKernel)(dtype_name, padded_head_dim(head_dim))
+
+
+def all_decode_kernels() -> list:
+    kernels = [DecodeKernel(name, d) for name in DTYPE_NAMES for d in PADDED_HEAD_DIMS]
+    kernels += [TcDecodeKernel(name, d) for name in TENSOR_CORE_DTYPES for d in PADDED_HEAD_DIMS]
+    return kernels + [DecodeStepKernel(step, name) for name in DTYPE_NAMES for step in ("combine", "append")]
+
+
+# The host's image of struct DecodeParams (kernels/flash_decode.cuh).
+DECODE_PARAMS_DTYPE = numpy.dtype(
+    [(name, "u8") for name in ("q", "k", "v", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "cache_seqlens")]
+    + [(f"{t}_{s}_stride", "i8") for t in ("q", "k", "v", "k_new", "v_new", "o") for s in ("batch", "row", "head")]
+    + [(name, "i4") for name in ("batch", "heads", "kv_group", "seqlen_q", "cache_len", "seqlen_new", "head_dim")]
+    + [(name, "i4") for name in ("window_left", "window_right", "num_splits", "rows")]
+    + [("scale_log2", "f8")],
+    align=True,
+)
+
+
 # The kernel-argument structs each source file defines, for the size checks compiled into it.
 PARAMS_STRUCTS = {
     "flash_fwd.cu": (("cupyflash::FwdParams", "FWD_PARAMS_DTYPE"),),
     "flash_bwd.cu": (("cupyflash::FwdParams", "FWD_PARAMS_DTYPE"), ("cupyflash::BwdParams", "BWD_PARAMS_DTYPE")),
     "flash_fwd_tc.cu": (("cupyflash::FwdParams", "FWD_PARAMS_DTYPE"),),
     "flash_bwd_tc.cu": (("cupyflash::FwdParams", "FWD_PARAMS_DTYPE"), ("cupyflash::BwdParams", "BWD_PARAMS_DTYPE")),
+    "flash_decode.cu": (("cupyflash::DecodeParams", "DECODE_PARAMS_DTYPE"),),
 }
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 
 import numpy
 
-from cupyflash._instantiations import MAX_HEAD_DIM, block_mask_granularity
+from cupyflash._instantiations import DECODE_MAX_SPLITS, MAX_HEAD_DIM, block_mask_granularity
 
 try:  # bfloat16 arrays in NumPy and CuPy are ml_dtypes' bfloat16
     import ml_dtypes
@@ -316,3 +317,94 @@ def check_block_mask(block_mask, p: AttentionProblem, for_kernels: bool = True) 
             f"for {p.dtype_name} with head_dim {p.head_dim}; block_size=128 or a multiple of it always is"
         )
     return dataclasses.replace(p, block_mask=block_mask)
+
+
+# --------------------------------------------------------------------------- KV-cache decoding
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeProblem:
+    """attention_decode's arguments, checked: the attention problem over the whole cache (seqlen_k
+    is its capacity), the append and the per-sequence key counts."""
+
+    attention: AttentionProblem
+    seqlen_new: int  # keys appended per sequence (0: none)
+    cache_seqlens: object  # int32 array (batch,) on the arrays' side, or None: every cache full
+    num_splits: int | None  # None: chosen by the heuristic
+
+    @property
+    def cache_len(self) -> int:
+        return self.attention.seqlen_k
+
+
+def check_decode_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, causal, scale, return_lse, window,
+                      num_splits, immutable_caches=False) -> DecodeProblem:
+    """Validates attention_decode's arguments (NumPy or CuPy arrays, already on one side).
+
+    cache_seqlens: None, an int, or an integer array of shape (batch,). Its values are checked
+    (0 <= c, c + seqlen_new <= cache_len) when they live on the host; on the GPU they are used as
+    given (reading them back would stall every decoding step), the kernels clamping to the cache."""
+    try:
+        p = check_attention_args(q, k_cache, v_cache, causal=causal, scale=scale, return_lse=return_lse, window=window)
+    except (TypeError, ValueError) as e:  # the same checks, naming the caches as the caller knows them
+        message = re.sub(r"\b([kv])\b", r"\1_cache", str(e)).replace("seqlen_k", "cache_len")
+        raise type(e)(message) from None
+    batch, cache_len = p.batch, p.seqlen_k
+
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together (or both None)")
+    seqlen_new = 0
+    if k_new is not None:
+        if immutable_caches:
+            raise TypeError(
+                "k_cache and v_cache are JAX arrays, which are immutable: new keys cannot be appended in "
+                "place. Append them with k_cache.at[...].set(...) and call with k_new=None, v_new=None."
+            )
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            if x.ndim != 4 or (x.shape[0], x.shape[2], x.shape[3]) != (batch, p.heads_kv or 0, p.head_dim):
+                raise ValueError(
+                    f"{name} must have shape (batch={batch}, seqlen_new, heads_kv={p.heads_kv}, "
+                    f"head_dim={p.head_dim}) to match the caches {tuple(k_cache.shape)}, got {tuple(x.shape)}"
+                )
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+            _check_strides(x, name)
+        if k_new.shape[1] != v_new.shape[1]:
+            raise ValueError(f"k_new and v_new must have the same seqlen_new, got {k_new.shape[1]} and {v_new.shape[1]}")
+        seqlen_new = int(k_new.shape[1])
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required with k_new: it says where each sequence's new keys go")
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if isinstance(x, numpy.ndarray) and not x.flags.writeable:
+                raise ValueError(f"{name} is read-only; new keys are appended into it in place")
+    cache_seqlens = _check_cache_seqlens(cache_seqlens, batch, cache_len, seqlen_new)
+    if num_splits is not None:
+        num_splits = check_count(num_splits, "num_splits", 1)
+        if num_splits > DECODE_MAX_SPLITS:
+            raise ValueError(f"num_splits must be at most {DECODE_MAX_SPLITS}, got {num_splits}")
+    return DecodeProblem(p, seqlen_new, cache_seqlens, num_splits)
+
+
+def _check_cache_seqlens(cache_seqlens, batch: int, cache_len: int, seqlen_new: int):
+    """cache_seqlens as an int32 array of shape (batch,) on its own side (an int becomes a NumPy
+    array), or None; host values must leave room for the append."""
+    if cache_seqlens is None:
+        return None
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, numpy.bool_)):
+        cache_seqlens = numpy.full(batch, int(cache_seqlens), dtype=numpy.int64)
+    elif isinstance(cache_seqlens, (list, tuple)):
+        cache_seqlens = numpy.asarray(cache_seqlens)
+    if not hasattr(cache_seqlens, "dtype") or not hasattr(cache_seqlens, "shape"):
+        raise TypeError(f"cache_seqlens must be None, an int, or an integer array of shape (batch,), got {cache_seqlens!r}")
+    if numpy.dtype(cache_seqlens.dtype).kind not in "iu":
+        raise TypeError(f"cache_seqlens must have an integer dtype (int32), got {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+    if isinstance(cache_seqlens, numpy.ndarray):
+        if batch and (cache_seqlens.min() < 0 or cache_seqlens.max() + seqlen_new > cache_len):
+            raise ValueError(
+                f"cache_seqlens must lie in [0, cache_len - seqlen_new] = [0, {cache_len - seqlen_new}] (cache_len="
+                f"{cache_len}, {seqlen_new} new keys), got values from {cache_seqlens.min()} to {cache_seqlens.max()}"
+            )
+        return numpy.ascontiguousarray(cache_seqlens, dtype=numpy.int32)
+    return cache_seqlens.astype("int32", copy=False)  # a CuPy array: used as given

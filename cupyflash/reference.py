@@ -108,6 +108,35 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, ret
     return attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse, block_mask=block_mask, window=window)
 
 
+def attention_decode(
+    q, k_cache, v_cache, cache_seqlens=None, *, k_new=None, v_new=None, causal=False, window=None, scale=None,
+    return_lse=False, precision=None,
+):
+    """KV-cache decoding in float64 (semantics of `cupyflash.attention_decode`), one sequence at a
+    time: its cached keys, then k_new, attended to with `attention`. The caches are left as they
+    are (the append happens on copies). precision: a dtype to do the same computation in that
+    dtype's precision instead (`attention_in_precision`, the tests' baseline)."""
+    q = _as_float64(q)
+    k, v = numpy.array(_as_float64(k_cache)), numpy.array(_as_float64(v_cache))
+    batch, seqlen_q, heads, _ = q.shape
+    lengths = numpy.full(batch, k.shape[1]) if cache_seqlens is None else _as_float64(cache_seqlens).reshape(-1)
+    lengths = numpy.broadcast_to(lengths, (batch,)).astype(numpy.int64)
+    if k_new is not None:
+        k_new, v_new = _as_float64(k_new), _as_float64(v_new)
+        for b in range(batch):
+            k[b, lengths[b] : lengths[b] + k_new.shape[1]] = k_new[b]
+            v[b, lengths[b] : lengths[b] + k_new.shape[1]] = v_new[b]
+        lengths = lengths + k_new.shape[1]
+    out = numpy.zeros(q.shape)
+    lse = numpy.full((batch, heads, seqlen_q), -numpy.inf)
+    for b in range(batch):
+        args = (q[b : b + 1], k[b : b + 1, : lengths[b]], v[b : b + 1, : lengths[b]])
+        options = dict(causal=causal, scale=scale, return_lse=True, window=window)
+        o, l = attention(*args, **options) if precision is None else attention_in_precision(*args, precision, **options)
+        out[b], lse[b] = o[0], l[0]
+    return (out, lse) if return_lse else out
+
+
 def attention_in_precision(
     q, k, v, dtype, *, causal=False, scale=None, return_lse=False, block_mask=None, window=None
 ):

@@ -225,6 +225,45 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + shfl_xor(x, 2);
 }
 
+// Online softmax (FlashAttention-2, Algorithm 1, lines 9-10) on a warp's fragments: m_i (log2 units), l_i (a per-lane
+// partial sum, reduced in the epilogue: FA2's deferred reduction) and the rescale of O_i. S is
+// overwritten with P.
+template <typename Kt>
+__device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kNTiles][4],
+                                               float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
+                                               float (&m)[Kt::kMTiles][2], float (&l)[Kt::kMTiles][2],
+                                               float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < Kt::kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float m_tile = neg_inf<float>();
+#pragma unroll
+            for (int nt = 0; nt < Kt::kNTiles; ++nt) m_tile = fmaxf(m_tile, fmaxf(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
+            const float m_new = fmaxf(m[mt][h], quad_max(m_tile) * scale_log2);
+            // A row with every key masked so far has m_new = -inf; subtracting 0 instead keeps
+            // exp2(-inf - (-inf)) = NaN out, and its probabilities come out exactly 0.
+            const float m_safe = m_new == neg_inf<float>() ? 0.f : m_new;
+            const float rescale = exp2f(m[mt][h] - m_safe);
+            m[mt][h] = m_new;
+            float row_sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < Kt::kNTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(fmaf(S[mt][nt][2 * h + e], scale_log2, -m_safe));
+                    S[mt][nt][2 * h + e] = p;
+                    row_sum += p;
+                }
+            l[mt][h] = l[mt][h] * rescale + row_sum;
+#pragma unroll
+            for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
+                O[mt][dt][2 * h] *= rescale;
+                O[mt][dt][2 * h + 1] *= rescale;
+            }
+        }
+}
+
 // -inf for keys >= seqlen_k and, with local attention (causal included), keys outside the band.
 // Rows are queries from row0 and columns keys from col0, or with kTransposed (S^T in the dK/dV
 // kernel) rows are keys and columns queries.

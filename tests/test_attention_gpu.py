@@ -162,6 +162,7 @@ def test_too_much_shared_memory_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("source_file,struct,attr", [
     ("flash_fwd.cu", "cupyflash::FwdParams", "FWD_PARAMS_DTYPE"),
     ("flash_bwd.cu", "cupyflash::BwdParams", "BWD_PARAMS_DTYPE"),
+    ("flash_decode.cu", "cupyflash::DecodeParams", "DECODE_PARAMS_DTYPE"),
 ])
 def test_params_struct_layout_matches_host(source_file, struct, attr):
     import cupy

@@ -83,9 +83,20 @@ def test_wrong_backward_shared_memory_size_fails_to_compile(monkeypatch, kernel_
         _compile.compile_offline([kernel], "sm_80")
 
 
+@pytest.mark.parametrize("kernel", [
+    _instantiations.decode_kernel("float16", 100, tensor_cores=True), _instantiations.decode_kernel("float64", 200),
+])
+def test_wrong_decode_shared_memory_size_fails_to_compile(monkeypatch, kernel):
+    true_bytes = kernel.smem_bytes
+    monkeypatch.setattr(type(kernel), "smem_bytes", property(lambda self: true_bytes + 4))
+    with pytest.raises(RuntimeError, match="disagree"):
+        _compile.compile_offline([kernel], "sm_80")
+
+
 @pytest.mark.parametrize("attr,kernel", [
     ("FWD_PARAMS_DTYPE", _instantiations.fwd_kernel("float32", 64, False)),
     ("BWD_PARAMS_DTYPE", _instantiations.BwdRowKernel("preprocess", "float32")),
+    ("DECODE_PARAMS_DTYPE", _instantiations.DecodeStepKernel("append", "float32")),
 ])
 def test_wrong_params_layout_fails_to_compile(monkeypatch, attr, kernel):
     wider = numpy.dtype(getattr(_instantiations, attr).descr + [("extra", "i8")], align=True)
@@ -100,7 +111,7 @@ def test_wrong_params_layout_fails_to_compile(monkeypatch, attr, kernel):
 
 def test_source_holds_every_header_byte_so_the_cache_key_sees_edits(tmp_path, monkeypatch):
     sources = {cu.name: _compile.kernel_source(cu.name) for cu in _compile.kernels_dir().glob("*.cu")}
-    assert set(sources) == {"flash_fwd.cu", "flash_bwd.cu", "flash_fwd_tc.cu", "flash_bwd_tc.cu"}
+    assert set(sources) == {"flash_fwd.cu", "flash_bwd.cu", "flash_fwd_tc.cu", "flash_bwd_tc.cu", "flash_decode.cu"}
     for header in _compile.kernels_dir().glob("*.cuh"):
         # Every run of text between #include / #pragma once lines appears verbatim in a source.
         for chunk in _compile._INCLUDE.split(_compile._PRAGMA_ONCE.sub("", header.read_text()))[::2]:
@@ -124,7 +135,8 @@ def test_check_kernels_command(tmp_path):
     cmd = [sys.executable, "-m", "cupyflash", "check-kernels", "--arch", "sm_80", "--dtype", "float64"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "110 of 110 kernel builds compiled; 0 spill" in done.stdout  # 36 forward, 72 + 2 backward (dense and block-sparse)
+    # 36 forward, 72 + 2 backward (dense and block-sparse), 9 + 2 decoding
+    assert "121 of 121 kernel builds compiled; 0 spill" in done.stdout
     assert "cupyflash::FwdTraits<double, 256" in done.stdout
     assert "cupyflash::BwdDkdvTraits<double, 256" in done.stdout
 

@@ -1,0 +1,236 @@
+"""KV-cache decoding: attention of a few new queries against a long key/value cache (flash-decoding)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy
+
+from cupyflash import _arrays, _attention, _instantiations, _validation, reference
+
+
+def attention_decode(
+    q, k_cache, v_cache, cache_seqlens=None, *, k_new=None, v_new=None, causal=False, window=None, scale=None,
+    return_lse=False, num_splits=None,
+):
+    """Attention for autoregressive decoding: q's few new positions against a key/value cache.
+
+    For each sequence b the keys are the first ``cache_seqlens[b]`` rows of the cache, followed by
+    ``k_new[b]`` (written into the cache in place first, as flash-attn's
+    ``flash_attn_with_kvcache`` does). The result equals
+    ``attention(q[b:b+1], k[b:b+1, :n], v[b:b+1, :n], causal=..., window=...)`` with
+    ``n = cache_seqlens[b] + seqlen_new``, for every b at once. The key sequence is split over
+    thread blocks (split-KV) and the partial results merged through their log-sum-exp, so a single
+    query row still uses the whole GPU; the query heads of a GQA group share each K/V tile read.
+
+    Parameters
+    ----------
+    q : array, shape (batch, seqlen_q, heads, head_dim)
+        The new queries, usually 1 to 16 positions per sequence (any number works).
+    k_cache, v_cache : arrays, shape (batch, cache_len, heads_kv, head_dim)
+        heads_kv divides heads (GQA/MQA), as in `attention`. Rows past a sequence's length are
+        never read (they may hold anything, NaN included).
+    cache_seqlens : None, int, or integer array of shape (batch,)
+        Valid keys per sequence before the append; None: the whole cache (cache_len keys).
+        Host values (int, list, NumPy) are checked to leave room for k_new; a GPU array is used as
+        given, without reading it back (which would stall each step): its values must lie in
+        [0, cache_len - seqlen_new] (out-of-range ones are clamped to the cache, never read or
+        written outside it). cache_seqlens is not updated: add seqlen_new yourself.
+    k_new, v_new : arrays, shape (batch, seqlen_new, heads_kv, head_dim), optional
+        Keys and values of the new positions, copied into the caches at rows
+        ``cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1`` before attending; requires
+        cache_seqlens. NumPy caches are written on the host; JAX arrays (immutable) are refused.
+    causal, window : as `attention`, aligned bottom-right per sequence: query i of sequence b sits
+        at key position ``n - seqlen_q + i``. With causal=True and seqlen_q = seqlen_new, each new
+        query sees the cache and the new keys up to its own.
+    scale, return_lse : as `attention`.
+    num_splits : int, optional
+        Thread blocks along the keys of each (sequence, K/V head), 1 to 128; None (default) picks
+        enough to fill the GPU.
+
+    Returns
+    -------
+    out, or (out, lse), as `attention`: out (batch, seqlen_q, heads, head_dim) in q's dtype, lse
+    (batch, heads, seqlen_q) float32 (float64 for float64). A sequence with no key gives out 0,
+    lse -inf. Forward only: decoding has no backward.
+
+    Where it runs and what raises: as `attention`. With no GPU, NumPy inputs run through the tiled
+    NumPy fallback, one sequence at a time.
+
+    Example
+    -------
+    >>> import numpy as np, cupyflash
+    >>> k_cache = np.zeros((2, 64, 1, 16), np.float32); v_cache = np.zeros_like(k_cache)
+    >>> lengths = np.array([10, 3], np.int32)  # keys already cached per sequence
+    >>> q = np.random.randn(2, 1, 4, 16).astype(np.float32)  # one new token, 4 query heads (MQA)
+    >>> k_new, v_new = (np.random.randn(2, 1, 1, 16).astype(np.float32) for _ in range(2))
+    >>> out = cupyflash.attention_decode(q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, causal=True)
+    >>> out.shape, bool((k_cache[0, 10] == k_new[0, 0]).all())
+    ((2, 1, 4, 16), True)
+    """
+    given = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if k_new is not None:
+        given["k_new"] = k_new
+    if v_new is not None:
+        given["v_new"] = v_new
+    origins = {name: _arrays.classify(x, name) for name, x in given.items()}
+    _arrays.check_placement(origins)
+    arrays = {name: _arrays.ingest(x, origins[name], name) for name, x in given.items()}
+    immutable = any(origins[name].module in ("jax", "jaxlib") for name in ("k_cache", "v_cache"))
+    lengths = cache_seqlens
+    if hasattr(lengths, "__dlpack__"):  # an array of any framework (ints and lists are checked below)
+        origin = _arrays.classify(lengths, "cache_seqlens")
+        if origin.on_gpu != origins["q"].on_gpu or (origin.on_gpu and origin.device_id != origins["q"].device_id):
+            raise ValueError("cache_seqlens must be on the same device as q (or a host int, list or NumPy array)")
+        lengths = _arrays.ingest(lengths, origin, "cache_seqlens")
+    problem = _validation.check_decode_args(
+        arrays["q"], arrays["k_cache"], arrays["v_cache"], lengths, arrays.get("k_new"), arrays.get("v_new"),
+        causal=causal, scale=scale, return_lse=return_lse, window=window, num_splits=num_splits,
+        immutable_caches=immutable,
+    )
+    q_, k_, v_ = arrays["q"], arrays["k_cache"], arrays["v_cache"]
+    k_new_, v_new_ = arrays.get("k_new"), arrays.get("v_new")
+    lengths = problem.cache_seqlens
+
+    if not origins["q"].on_gpu:
+        if problem.seqlen_new:  # host caches are appended to on the host, where they live
+            for b, n in enumerate(lengths):
+                k_[b, n : n + problem.seqlen_new] = k_new_[b]
+                v_[b, n : n + problem.seqlen_new] = v_new_[b]
+            lengths = lengths + problem.seqlen_new
+            problem = _validation.DecodeProblem(problem.attention, 0, lengths, problem.num_splits)
+        if not _attention.gpu_available():
+            out, lse = _decode_cpu(q_, k_, v_, problem)
+        else:
+            import cupy
+
+            q_, k_, v_ = (cupy.asarray(x) for x in (q_, k_, v_))
+            out, lse = _decode_gpu(q_, k_, v_, None, None, lengths, problem)
+    else:
+        out, lse = _decode_gpu(q_, k_, v_, k_new_, v_new_, lengths, problem)
+
+    origin = origins["q"]
+    out = _arrays.export(out, origin)
+    return (out, _arrays.export(lse, origin)) if problem.attention.return_lse else out
+
+
+def _decode_cpu(q, k, v, d: _validation.DecodeProblem):
+    """The tiled NumPy algorithm, one sequence at a time over its valid keys."""
+    p = d.attention
+    out = numpy.zeros(q.shape, q.dtype)
+    lse = numpy.full((p.batch, p.heads, p.seqlen_q), -numpy.inf, _validation.lse_dtype(p.dtype_name))
+    for b in range(p.batch):
+        n = p.seqlen_k if d.cache_seqlens is None else int(d.cache_seqlens[b])
+        o, l = reference.tiled_attention(
+            q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], causal=p.causal, scale=p.scale, return_lse=True,
+            window=p.window,
+        )
+        out[b], lse[b] = o[0], l[0]
+    return out, lse
+
+
+def decode_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores=None):
+    """The traits table's decode kernel: the tensor-core one for 16-bit inputs on sm_80+."""
+    if tensor_cores is None:
+        tensor_cores = _attention.tensor_cores_for(p, device_id)
+    return _instantiations.decode_kernel(p.dtype_name, p.head_dim, tensor_cores)
+
+
+@functools.cache
+def _device_slots(device_id: int, smem_bytes: int) -> int:
+    """Blocks of a decode kernel that run at once on the device (one wave), by shared memory."""
+    import cupy
+
+    attributes = cupy.cuda.Device(device_id).attributes
+    per_sm = attributes["MaxSharedMemoryPerMultiprocessor"] // max(smem_bytes + 1024, 1)
+    return attributes["MultiProcessorCount"] * max(1, min(per_sm, 4))
+
+
+def choose_splits(blocks: int, key_tiles: int, slots: int) -> int:
+    """Splits of the key sequence for `blocks` (row block, K/V head, sequence) triples of
+    `key_tiles` tiles each on a GPU running `slots` blocks at once. After flash-attn's heuristic:
+    no split when the blocks already fill most of a wave; otherwise the fewest splits whose last
+    wave is within 5% as full as the best count's, each split keeping at least 4 tiles. (A sweep
+    on an H100, benchmarks/NOTES.md: more splits than that cost each block's fixed work, fewer
+    leave SMs idle; flash-attn's 85% picked 29 splits where 32 was 10% faster.)"""
+    if blocks >= 0.8 * slots or key_tiles < 8:
+        return 1
+    limit = min(_instantiations.DECODE_MAX_SPLITS, key_tiles // 4, math.ceil(4 * slots / blocks))
+
+    def efficiency(splits):
+        waves = blocks * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, limit + 1))
+    return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.95 * best)
+
+
+def _decode_gpu(q, k, v, k_new, v_new, lengths, d: _validation.DecodeProblem):
+    import cupy
+
+    p = d.attention
+    with cupy.cuda.Device(q.device.id):
+        if isinstance(lengths, numpy.ndarray):  # host values, already checked
+            lengths = cupy.asarray(lengths)
+        out = _attention._empty((p.batch, p.seqlen_q, p.heads, p.head_dim), q.dtype)
+        lse = _attention._empty((p.batch, p.heads, p.seqlen_q), _validation.lse_dtype(p.dtype_name))
+        launch_decode(q, k, v, k_new, v_new, lengths, out, lse, d)
+    return out, lse
+
+
+@functools.cache
+def _plan(kernel, batch: int, heads_kv: int, rows: int, cache_len: int, num_splits, device_id: int) -> tuple:
+    """(row blocks, splits) of a launch, memoised: decoding calls the same shapes step after step."""
+    row_blocks = math.ceil(rows / kernel.rows)
+    if num_splits is None:  # device lengths are not read back: the cache's capacity bounds the keys
+        slots = _device_slots(device_id, kernel.smem_bytes)
+        num_splits = choose_splits(batch * heads_kv * row_blocks, math.ceil(cache_len / kernel.block_n), slots)
+    return row_blocks, num_splits
+
+
+def launch_decode(q, k, v, k_new, v_new, lengths, out, lse, d: _validation.DecodeProblem, kernel=None) -> None:
+    """Launches the append, decode and (with splits) combine kernels on CuPy's current stream;
+    arguments must already be validated. `kernel` overrides the traits table's decode kernel."""
+    import cupy
+
+    p = d.attention
+    device_id = q.device.id
+    kernel = kernel or decode_kernel(p, device_id)
+    heads_kv = p.heads // p.kv_group
+    rows = p.seqlen_q * p.kv_group
+    row_blocks, splits = _plan(kernel, p.batch, heads_kv, rows, p.seqlen_k, d.num_splits, device_id)
+
+    fields = {"lse": lse.data.ptr, "cache_seqlens": 0 if lengths is None else lengths.data.ptr}
+    for name, x in (("q", q), ("k", k), ("v", v), ("k_new", k_new), ("v_new", v_new), ("o", out)):
+        if x is None:
+            fields.update({name: 0, f"{name}_batch_stride": 0, f"{name}_row_stride": 0, f"{name}_head_stride": 0})
+        else:
+            _attention._pointer_and_strides(fields, name, x)
+    fields["o_partial"] = fields["lse_partial"] = 0
+    if splits > 1:  # o_partial [splits, batch, heads, seqlen_q, head_dim], then lse_partial: one allocation
+        partial_rows = splits * p.batch * p.heads * p.seqlen_q
+        workspace = cupy.empty(partial_rows * (p.head_dim + 1), _validation.lse_dtype(p.dtype_name))
+        fields["o_partial"] = workspace.data.ptr
+        fields["lse_partial"] = workspace.data.ptr + partial_rows * p.head_dim * workspace.itemsize
+    left, right = p.band
+    fields.update(
+        batch=p.batch, heads=p.heads, kv_group=p.kv_group, seqlen_q=p.seqlen_q, cache_len=p.seqlen_k,
+        seqlen_new=d.seqlen_new, head_dim=p.head_dim, num_splits=splits, rows=rows,
+        # Unbounded sides clamped to widths that hide nothing (the kernels' int arithmetic stays small).
+        window_left=p.seqlen_k if left is None else min(left, p.seqlen_k),
+        window_right=p.seqlen_q if right is None else min(right, p.seqlen_q),
+        scale_log2=p.scale * reference.LOG2E,
+    )
+    params = _attention._params(_instantiations.DECODE_PARAMS_DTYPE, fields)
+
+    if d.seqlen_new and p.batch and heads_kv:
+        append = _instantiations.DecodeStepKernel("append", p.dtype_name)
+        _attention._launch(append, device_id, (d.seqlen_new, heads_kv, p.batch), params)
+    if out.size == 0:
+        return
+    _attention._launch(kernel, device_id, (row_blocks * splits * heads_kv, p.batch, 1), params)
+    if splits > 1:
+        combine = _instantiations.DecodeStepKernel("combine", p.dtype_name)
+        total_rows = p.batch * p.heads * p.seqlen_q
+        _attention._launch(combine, device_id, (total_rows, 1, 1), params)

@@ -1,0 +1,399 @@
+// KV-cache decoding kernels (see flash_decode.cuh for the scheme): the tensor-core kernel for
+// float16/bfloat16 on sm_80+, the CUDA-core kernel for every dtype, the split combine and the
+// in-place append of new keys and values. Instantiations: cupyflash/_instantiations.py.
+#include "flash_decode.cuh"
+#include "flash_tc.cuh"
+
+namespace cupyflash {
+
+// The block's kRows packed query rows, [kRows][stride] in shared memory as T (zero past the valid
+// rows and head_dim, so padding adds nothing to a score), multiplied by `scale`. The rows are not
+// one stride apart (row r is query r / kv_group of head kv_head·kv_group + r % kv_group), and
+// they are loaded once per block, so element by element.
+template <typename Lt, typename T, typename Convert>
+__device__ __forceinline__ void load_decode_queries(T* sQ, int stride, const DecodeParams& params, int batch_idx,
+                                                    int kv_head, int row0, Convert convert) {
+    using Storage = typename Lt::Storage;
+    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride;
+    for (int e = threadIdx.x; e < Lt::kRows * Lt::kHeadDim; e += Lt::kNThreads) {
+        const int r = e / Lt::kHeadDim, c = e % Lt::kHeadDim, row = row0 + r;
+        T x = convert(Storage(0));
+        if (row < params.rows && c < params.head_dim) {
+            const int query = row / params.kv_group, head = kv_head * params.kv_group + row % params.kv_group;
+            x = convert(q[query * params.q_row_stride + head * params.q_head_stride + c]);
+        }
+        sQ[r * stride + c] = x;
+    }
+}
+
+// Block coordinates of both decode kernels. Grid: (row blocks x num_splits x K/V heads, batch),
+// the row blocks innermost, so that blocks reading the same K/V tiles run side by side (L2).
+struct DecodeBlock {
+    int row0, split, kv_head, batch_idx;
+    template <int kRows> __device__ __forceinline__ static DecodeBlock of(const DecodeParams& params) {
+        const int row_blocks = ceil_div(params.rows, kRows);
+        const int x = blockIdx.x;
+        return {x % row_blocks * kRows, x / row_blocks % params.num_splits, x / row_blocks / params.num_splits,
+                static_cast<int>(blockIdx.y)};
+    }
+};
+
+// ---------------------------------------------------------------------------- tensor cores
+
+// One m16 tile of packed rows; kNWarps warps, 16 keys each per tile of kBlockN = 16·kNWarps keys;
+// K_j and V_j in a kStages-deep cp.async ring, so that kStages - 1 tiles are in flight while one is used.
+template <typename Element_, int kHeadDim_, int kNWarps_, int kStages_>
+struct TcDecodeTraits : DecodeLayout<Element_, kHeadDim_, 16, kNWarps_, 16 * kNWarps_> {
+    using Base = DecodeLayout<Element_, kHeadDim_, 16, kNWarps_, 16 * kNWarps_>;
+    using Op = Mma<Element_>;
+    static constexpr int kMTiles = 1, kNTiles = 2;  // a warp's score tile: 16 rows x 16 keys
+    static constexpr int kKSteps = kHeadDim_ / 16;
+    static constexpr int kStride = kHeadDim_ + 8;  // padded shared rows, as TcTileLayout (no bank conflicts)
+    static constexpr int kStages = kStages_;
+    // Q's A fragments stay in registers up to d128. Above, beside O's d/2 accumulators, they take
+    // the kernel to 224-248 registers at sm_90a (at the spill edge), so they are read from shared
+    // memory at each k-step instead (at 156-204 registers).
+    static constexpr bool kQInRegisters = kHeadDim_ <= 128;
+    static constexpr int kSmemQOffset = 0;                           // Storage elements: Q [16][kStride]
+    static constexpr int kSmemKvOffset = 16 * kStride;               // then per stage K_j, V_j [kBlockN][kStride]
+    static constexpr int kStageElements = 2 * Base::kBlockN * kStride;
+    static constexpr int kTileBytes = (kSmemKvOffset + kStages * kStageElements) * 2;
+    static constexpr int kSmemBytes = kTileBytes > Base::kMergeBytes ? kTileBytes : Base::kMergeBytes;
+    static_assert(kHeadDim_ % 16 == 0, "the head dim is padded to a multiple of the k16 step");
+    static_assert(kStages >= 2, "a ring of at least two tiles");
+};
+
+// A [kBlockN][kStride] tile of K or V, zero past rows_valid and head_dim, as load_tile_async but
+// with a rolled loop: unrolled, its 16-32 chunk addresses per tile stay live across the key loop
+// and spill beside d224-256's accumulators (a memory-bound kernel loses nothing by the loop).
+template <typename Kt>
+__device__ __forceinline__ void load_decode_tile(unsigned s_tile, const typename Kt::Storage* g_tile,
+                                                 long long row_stride, int rows_valid, int head_dim) {
+    using Storage = typename Kt::Storage;
+    constexpr int kChunksPerRow = Kt::kHeadDim / 8;
+    const bool vectorised =
+        ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 2)) & 15) == 0;
+#pragma unroll 2
+    for (int i = threadIdx.x; i < Kt::kBlockN * kChunksPerRow; i += Kt::kNThreads) {
+        const int row = i / kChunksPerRow, col = i % kChunksPerRow * 8;
+        const unsigned s = s_tile + (row * Kt::kStride + col) * 2;
+        const bool valid = row < rows_valid;
+        if (vectorised) {
+            // Chunks past the tile's rows or head_dim copy nothing from row 0 (a safe address).
+            const int bytes = valid ? max(0, min(16, (head_dim - col) * 2)) : 0;
+            cp_async_16(s, g_tile + (bytes > 0 ? row * row_stride + col : 0), bytes);
+        } else {
+            Vec<Storage, 8> x;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) x.x[e] = valid && col + e < head_dim ? g_tile[row * row_stride + col + e] : Storage(0);
+            store_shared_16(s, &x);
+        }
+    }
+}
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads) flash_decode_tc_kernel(const DecodeParams params) {
+    using Storage = typename Kt::Storage;
+    using Op = typename Kt::Op;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const unsigned sQ = smem_address(smem) + Kt::kSmemQOffset * 2;
+    const unsigned sKv = smem_address(smem) + Kt::kSmemKvOffset * 2;
+    const DecodeBlock block = DecodeBlock::of<Kt::kRows>(params);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const Fragment f(lane);
+    const int seqlen_k = decode_seqlen_k(params, block.batch_idx);
+    const int rows_valid = min(Kt::kRows, params.rows - block.row0);
+    const int2 tiles = decode_key_tiles<Kt::kBlockN>(params, seqlen_k, block.row0, rows_valid, block.split);
+
+    const Storage* k = static_cast<const Storage*>(params.k) + block.batch_idx * params.k_batch_stride +
+                       block.kv_head * params.k_head_stride;
+    const Storage* v = static_cast<const Storage*>(params.v) + block.batch_idx * params.v_batch_stride +
+                       block.kv_head * params.v_head_stride;
+    auto load_kv = [&](int tile) {  // K_j, V_j of `tile` into its stage of the ring
+        const unsigned stage = sKv + (tile - tiles.x) % Kt::kStages * Kt::kStageElements * 2;
+        const int col0 = tile * Kt::kBlockN, keys_valid = min(Kt::kBlockN, seqlen_k - col0);
+        load_decode_tile<Kt>(stage, k + col0 * params.k_row_stride, params.k_row_stride, keys_valid, params.head_dim);
+        load_decode_tile<Kt>(stage + Kt::kBlockN * Kt::kStride * 2, v + col0 * params.v_row_stride,
+                             params.v_row_stride, keys_valid, params.head_dim);
+    };
+    for (int s = 0; s < Kt::kStages - 1; ++s) {
+        if (tiles.x + s < tiles.y) load_kv(tiles.x + s);
+        cp_async_commit();
+    }
+    load_decode_queries<Kt>(reinterpret_cast<Storage*>(smem) + Kt::kSmemQOffset, Kt::kStride, params,
+                            block.batch_idx, block.kv_head, block.row0, [](Storage x) { return x; });
+    __syncthreads();  // Q is in shared memory
+    const unsigned a0 = sQ + ((lane % 16) * Kt::kStride + (lane / 16) * 8) * 2;  // each warp multiplies all 16 rows
+    unsigned Q[Kt::kQInRegisters ? Kt::kKSteps : 1][4];
+    if constexpr (Kt::kQInRegisters) {
+#pragma unroll
+        for (int ks = 0; ks < Kt::kKSteps; ++ks) ldmatrix_x4(Q[ks], a0 + ks * 16 * 2);
+    }
+
+    // The keys this lane's two fragment rows see: [first, last] of the bottom-right band.
+    int first[2], last[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int query = (block.row0 + f.row(0, h)) / params.kv_group + seqlen_k - params.seqlen_q;
+        first[h] = query - params.window_left;
+        last[h] = min(seqlen_k - 1, query + params.window_right);
+    }
+
+    float O[1][Kt::kHeadDim / 8][4];
+    float m[1][2] = {{neg_inf<float>(), neg_inf<float>()}}, l[1][2] = {{0.f, 0.f}};
+    zero(O);
+    const float scale_log2 = static_cast<float>(params.scale_log2);
+    for (int t = tiles.x; t < tiles.y; ++t) {
+        cp_async_wait<Kt::kStages - 2>();
+        __syncthreads();  // tile t has landed; every warp is done with tile t - 1, whose stage is reloaded now
+        if (t + Kt::kStages - 1 < tiles.y) load_kv(t + Kt::kStages - 1);
+        cp_async_commit();
+
+        const unsigned stage = sKv + (t - tiles.x) % Kt::kStages * Kt::kStageElements * 2;
+        const unsigned sK = stage + warp * 16 * Kt::kStride * 2;  // this warp's 16 keys of K_j
+        const unsigned sV = sK + Kt::kBlockN * Kt::kStride * 2;   // and of V_j
+        float S[1][2][4];
+        zero(S);
+        const unsigned b0 = sK + (((lane / 16) * 8 + lane % 8) * Kt::kStride + (lane / 8) % 2 * 8) * 2;
+#pragma unroll
+        for (int ks = 0; ks < Kt::kKSteps; ++ks) {
+            unsigned b[4];
+            ldmatrix_x4(b, b0 + ks * 16 * 2);
+            if constexpr (!Kt::kQInRegisters) ldmatrix_x4(Q[0], a0 + ks * 16 * 2);
+            const unsigned(&a)[4] = Q[Kt::kQInRegisters ? ks : 0];
+            Op::run(S[0][0], a, b[0], b[1]);
+            Op::run(S[0][1], a, b[2], b[3]);
+        }
+        const int col0 = t * Kt::kBlockN + warp * 16;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = col0 + f.col(nt, e);
+                    if (key < first[h] || key > last[h]) S[0][nt][2 * h + e] = neg_inf<float>();
+                }
+        online_softmax_tc<Kt>(S, O, m, l, scale_log2);
+        unsigned P[1][1][4];
+        to_a_fragments<Op>(S, P);
+        gemm_ab_rs<Op, 1, Kt::kHeadDim / 8, 1, Kt::kStride>(O, P, sV, lane);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the merge below reuses the tiles' shared memory
+
+    float* sM = reinterpret_cast<float*>(smem);
+    float* sL = sM + Kt::kNWarps * Kt::kRows;
+    float* sO = sL + Kt::kNWarps * Kt::kRows;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = f.row(0, h);
+        const float l_row = quad_sum(l[0][h]);
+        if (f.t == 0) sM[warp * Kt::kRows + r] = m[0][h], sL[warp * Kt::kRows + r] = l_row;
+#pragma unroll
+        for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) sO[(warp * Kt::kRows + r) * Kt::kHeadDim + f.col(dt, e)] = O[0][dt][2 * h + e];
+    }
+    __syncthreads();  // every warp's state is in shared memory
+    decode_merge_and_store<Kt>(params, sM, sL, sO, block.batch_idx, block.kv_head, block.row0, block.split);
+}
+
+// ---------------------------------------------------------------------------- CUDA cores
+
+// kRows packed rows; each warp takes 32 keys of every tile of kBlockN = 32·kNWarps keys, one key
+// per lane for the scores, then the head dim's columns (lane, lane + 32, ...) for P V. Rows past
+// the valid ones are skipped by a warp-uniform branch (decoding often has a single row).
+template <typename Element_, int kHeadDim_, int kRows_, int kNWarps_>
+struct DecodeTraits : DecodeLayout<Element_, kHeadDim_, kRows_, kNWarps_, 32 * kNWarps_> {
+    using Base = DecodeLayout<Element_, kHeadDim_, kRows_, kNWarps_, 32 * kNWarps_>;
+    static constexpr int kColsPerLane = (kHeadDim_ + 31) / 32;
+    static constexpr int kQBytes = kRows_ * kHeadDim_ * static_cast<int>(sizeof(typename Base::Accum));
+    static constexpr int kSmemBytes = kQBytes > Base::kMergeBytes ? kQBytes : Base::kMergeBytes;
+};
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const DecodeParams params) {
+    using Accum = typename Kt::Accum;
+    using Storage = typename Kt::Storage;
+    using Numeric = typename Kt::Numeric;
+    extern __shared__ __align__(16) unsigned char smem[];
+    Accum* sQ = reinterpret_cast<Accum*>(smem);  // [kRows][kHeadDim], prescaled: scores in log2 units
+    const DecodeBlock block = DecodeBlock::of<Kt::kRows>(params);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int seqlen_k = decode_seqlen_k(params, block.batch_idx);
+    const int rows_valid = min(Kt::kRows, params.rows - block.row0);
+    const int2 tiles = decode_key_tiles<Kt::kBlockN>(params, seqlen_k, block.row0, rows_valid, block.split);
+    const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
+    load_decode_queries<Kt>(sQ, Kt::kHeadDim, params, block.batch_idx, block.kv_head, block.row0,
+                            [&](Storage x) { return Numeric::to_accum(x) * scale_log2; });
+    __syncthreads();  // Q is in shared memory
+
+    const Storage* k = static_cast<const Storage*>(params.k) + block.batch_idx * params.k_batch_stride +
+                       block.kv_head * params.k_head_stride;
+    const Storage* v = static_cast<const Storage*>(params.v) + block.batch_idx * params.v_batch_stride +
+                       block.kv_head * params.v_head_stride;
+    Accum O[Kt::kRows][Kt::kColsPerLane], m[Kt::kRows], l[Kt::kRows];
+#pragma unroll
+    for (int r = 0; r < Kt::kRows; ++r) {
+        m[r] = neg_inf<Accum>(), l[r] = Accum(0);
+#pragma unroll
+        for (int j = 0; j < Kt::kColsPerLane; ++j) O[r][j] = Accum(0);
+    }
+    const int offset = seqlen_k - params.seqlen_q;  // query i sits at key position i + offset
+    for (int t = tiles.x; t < tiles.y; ++t) {
+        const int col0 = t * Kt::kBlockN + warp * Kt::kWarpKeys;
+        const int keys = min(Kt::kWarpKeys, seqlen_k - col0);  // may be <= 0 in the last tile
+        const int key = col0 + lane;
+        // S_ij: lane `key`'s score against every row.
+        Accum S[Kt::kRows];
+#pragma unroll
+        for (int r = 0; r < Kt::kRows; ++r) S[r] = Accum(0);
+        if (lane < keys) {
+            const Storage* k_row = k + key * params.k_row_stride;
+#pragma unroll 4
+            for (int c = 0; c < params.head_dim; ++c) {
+                const Accum x = Numeric::to_accum(k_row[c]);
+#pragma unroll
+                for (int r = 0; r < Kt::kRows; ++r)
+                    if (r < rows_valid) S[r] += sQ[r * Kt::kHeadDim + c] * x;
+            }
+        }
+        // Mask, then the online softmax of each row over the warp's 32 keys.
+#pragma unroll
+        for (int r = 0; r < Kt::kRows; ++r) {
+            if (r >= rows_valid) continue;
+            const int query = (block.row0 + r) / params.kv_group + offset;
+            if (lane >= keys || key < query - params.window_left || key > query + params.window_right)
+                S[r] = neg_inf<Accum>();
+            Accum m_tile = S[r];
+#pragma unroll
+            for (int s = 16; s >= 1; s /= 2) m_tile = max_(m_tile, shfl_xor(m_tile, s));
+            const Accum m_new = max_(m[r], m_tile);
+            const Accum m_safe = m_new == neg_inf<Accum>() ? Accum(0) : m_new;
+            const Accum rescale = exp2_(m[r] - m_safe);
+            S[r] = exp2_(S[r] - m_safe);  // P_ij
+            l[r] = l[r] * rescale + S[r];  // a per-lane partial sum, reduced at the end
+            m[r] = m_new;
+#pragma unroll
+            for (int j = 0; j < Kt::kColsPerLane; ++j) O[r][j] *= rescale;
+        }
+        // O_i += P_ij V_j: key by key, its probabilities broadcast from the lane that holds them.
+        for (int kk = 0; kk < keys; ++kk) {
+            const Storage* v_row = v + (col0 + kk) * params.v_row_stride;
+            Accum x[Kt::kColsPerLane];
+#pragma unroll
+            for (int j = 0; j < Kt::kColsPerLane; ++j) {
+                const int c = lane + 32 * j;
+                x[j] = c < params.head_dim ? Numeric::to_accum(v_row[c]) : Accum(0);
+            }
+#pragma unroll
+            for (int r = 0; r < Kt::kRows; ++r) {
+                if (r >= rows_valid) continue;
+                const Accum p = __shfl_sync(0xffffffffu, S[r], kk);
+#pragma unroll
+                for (int j = 0; j < Kt::kColsPerLane; ++j) O[r][j] += p * x[j];
+            }
+        }
+    }
+    __syncthreads();  // the merge below overwrites Q
+
+    Accum* sM = reinterpret_cast<Accum*>(smem);
+    Accum* sL = sM + Kt::kNWarps * Kt::kRows;
+    Accum* sO = sL + Kt::kNWarps * Kt::kRows;
+#pragma unroll
+    for (int r = 0; r < Kt::kRows; ++r) {
+        Accum l_row = l[r];
+#pragma unroll
+        for (int s = 16; s >= 1; s /= 2) l_row += shfl_xor(l_row, s);
+        if (lane == 0) sM[warp * Kt::kRows + r] = m[r], sL[warp * Kt::kRows + r] = l_row;
+#pragma unroll
+        for (int j = 0; j < Kt::kColsPerLane; ++j)
+            if (lane + 32 * j < Kt::kHeadDim) sO[(warp * Kt::kRows + r) * Kt::kHeadDim + lane + 32 * j] = O[r][j];
+    }
+    __syncthreads();  // every warp's state is in shared memory
+    decode_merge_and_store<Kt>(params, sM, sL, sO, block.batch_idx, block.kv_head, block.row0, block.split);
+}
+
+// ---------------------------------------------------------------------------- splits, append
+
+// x reduced over the block with op (every thread gets the result); s_scratch: kThreads / 32 values.
+template <int kThreads, typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T x, Op op, T* s_scratch) {
+#pragma unroll
+    for (int s = 16; s >= 1; s /= 2) x = op(x, shfl_xor(x, s));
+    if (threadIdx.x % 32 == 0) s_scratch[threadIdx.x / 32] = x;
+    __syncthreads();  // every warp's partial is in shared memory (and everything written before it)
+    x = s_scratch[0];
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) x = op(x, s_scratch[w]);
+    __syncthreads();  // s_scratch may be reused
+    return x;
+}
+
+// Merges the num_splits partial results of each (batch, head, query) row through their lse:
+// lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. One block per row (grid:
+// batch·heads·seqlen_q), a thread per split for the weights, then a thread per column, its loads
+// over the splits unrolled so that several are in flight: a row of a one-sequence step is alone
+// on the GPU, and a loop of dependent loads would take a memory latency per split. A row no
+// split saw gives o = 0, lse = -inf.
+template <typename Element, int kThreads, int kMaxSplits>
+__global__ void __launch_bounds__(kThreads) flash_decode_combine_kernel(const DecodeParams params) {
+    using Numeric = NumericTraits<Element>;
+    using Accum = typename Numeric::Accum;
+    static_assert(kMaxSplits <= kThreads, "one split's lse per thread");
+    __shared__ Accum s_weight[kMaxSplits];
+    __shared__ Accum s_scratch[kThreads / 32];
+    const long long total_rows = static_cast<long long>(params.batch) * params.heads * params.seqlen_q;
+    const long long row_idx = blockIdx.x;
+    const int split = threadIdx.x;
+    const Accum lse_split = split < params.num_splits
+                                ? static_cast<const Accum*>(params.lse_partial)[split * total_rows + row_idx]
+                                : neg_inf<Accum>();
+    const Accum m = block_reduce<kThreads>(lse_split, [](Accum a, Accum b) { return max_(a, b); }, s_scratch);
+    const Accum m_safe = m == neg_inf<Accum>() ? Accum(0) : m;  // no split saw a key: weights 0, not NaN
+    const Accum weight = exp2_((lse_split - m_safe) * Accum(kLog2e));
+    if (split < kMaxSplits) s_weight[split] = weight;
+    const Accum sum = block_reduce<kThreads>(weight, [](Accum a, Accum b) { return a + b; }, s_scratch);
+    const Accum inv_sum = sum > Accum(0) ? Accum(1) / sum : Accum(0);
+
+    const int query = static_cast<int>(row_idx % params.seqlen_q);
+    const long long bh = row_idx / params.seqlen_q;
+    const int head = static_cast<int>(bh % params.heads), batch_idx = static_cast<int>(bh / params.heads);
+    auto* out = static_cast<typename Numeric::Storage*>(params.o) + batch_idx * params.o_batch_stride +
+                query * params.o_row_stride + head * params.o_head_stride;
+    const Accum* o_partial = static_cast<const Accum*>(params.o_partial) + row_idx * params.head_dim;
+    const long long split_stride = total_rows * params.head_dim;
+    for (int c = threadIdx.x; c < params.head_dim; c += kThreads) {
+        Accum o = 0;
+#pragma unroll 4
+        for (int s = 0; s < params.num_splits; ++s) o += s_weight[s] * o_partial[s * split_stride + c];
+        out[c] = Numeric::from_accum(o * inv_sum);
+    }
+    if (threadIdx.x == 0) static_cast<Accum*>(params.lse)[row_idx] = sum > Accum(0) ? m_safe + log_(sum) : neg_inf<Accum>();
+}
+
+// k[b, cache_seqlens[b] + j, h] = k_new[b, j, h] (and v), for j < seqlen_new; rows past the
+// cache's capacity are dropped (the host rejects such calls when it can see cache_seqlens).
+// Grid: (seqlen_new, heads_kv, batch).
+template <typename Element>
+__global__ void __launch_bounds__(128) flash_decode_append_kernel(const DecodeParams params) {
+    using Storage = typename NumericTraits<Element>::Storage;
+    const int j = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int pos = (params.cache_seqlens ? max(params.cache_seqlens[b], 0) : 0) + j;
+    if (pos >= params.cache_len) return;
+    Storage* k = static_cast<Storage*>(params.k) + b * params.k_batch_stride + pos * params.k_row_stride +
+                 h * params.k_head_stride;
+    Storage* v = static_cast<Storage*>(params.v) + b * params.v_batch_stride + pos * params.v_row_stride +
+                 h * params.v_head_stride;
+    const Storage* k_new = static_cast<const Storage*>(params.k_new) + b * params.k_new_batch_stride +
+                           j * params.k_new_row_stride + h * params.k_new_head_stride;
+    const Storage* v_new = static_cast<const Storage*>(params.v_new) + b * params.v_new_batch_stride +
+                           j * params.v_new_row_stride + h * params.v_new_head_stride;
+    for (int c = threadIdx.x; c < params.head_dim; c += blockDim.x) {
+        k[c] = k_new[c];
+        v[c] = v_new[c];
+    }
+}
+
+}  // namespace cupyflash

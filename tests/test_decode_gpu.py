@@ -1,0 +1,180 @@
+"""KV-cache decoding on the GPU (marker `gpu`): attention_decode against the float64 reference,
+sequence by sequence, under the tolerance rule; the in-place append; cache rows past each
+sequence's length (NaN here) are never read."""
+
+import numpy
+import pytest
+
+import cupyflash
+from cupyflash import _attention, _decode, reference
+from shapes import DTYPES, HEAD_DIMS, bits, numpy_dtype
+from test_attention_gpu import assert_matches_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def decode_and_check(rng, dtype, *, batch=3, seqlen_q=1, heads=4, heads_kv=4, head_dim=64, cache_len=700,
+                     lengths=None, seqlen_new=0, causal=False, window=None, num_splits=None, host_lengths=False,
+                     layout="contiguous"):
+    """One attention_decode call, checked per sequence against `assert_matches_reference` over
+    that sequence's keys, and the caches checked bit for bit after the append."""
+    import cupy
+
+    dt = numpy_dtype(dtype)
+    if lengths is None:
+        lengths = rng.integers(0, cache_len - seqlen_new + 1, size=batch)
+        lengths[0] = cache_len - seqlen_new  # one sequence fills the cache
+    lengths = numpy.asarray(lengths, numpy.int32)
+
+    def array(shape, poison=False):
+        x = rng.standard_normal(shape).astype(dt)
+        if poison:  # cache rows past each sequence's keys must never be read
+            for b, n in enumerate(lengths):
+                x[b, n:] = numpy.nan
+        if layout == "contiguous":
+            return cupy.asarray(x)
+        # (batch, heads, seq, head_dim) storage seen as (batch, seq, heads, head_dim): strided.
+        return cupy.asarray(numpy.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+
+    q = array((batch, seqlen_q, heads, head_dim))
+    k_cache, v_cache = (array((batch, cache_len, heads_kv, head_dim), poison=True) for _ in range(2))
+    k_new = v_new = None
+    if seqlen_new:
+        k_new, v_new = array((batch, seqlen_new, heads_kv, head_dim)), array((batch, seqlen_new, heads_kv, head_dim))
+    k_before, v_before = k_cache.get(), v_cache.get()
+
+    out, lse = cupyflash.attention_decode(
+        q, k_cache, v_cache, list(lengths) if host_lengths else cupy.asarray(lengths), k_new=k_new, v_new=v_new,
+        causal=causal, window=window, return_lse=True, num_splits=num_splits,
+    )
+    assert isinstance(out, cupy.ndarray) and out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (batch, heads, seqlen_q)
+
+    k_after, v_after = k_cache.get(), v_cache.get()
+    for before, after, new in ((k_before, k_after, k_new), (v_before, v_after, v_new)):
+        expected = before.copy()
+        if new is not None:
+            for b, n in enumerate(lengths):
+                expected[b, n : n + seqlen_new] = new[b].get()
+        numpy.testing.assert_array_equal(bits(after), bits(expected))
+
+    for b, n in enumerate(lengths + seqlen_new):
+        assert_matches_reference(
+            q[b : b + 1], k_after[b : b + 1, :n], v_after[b : b + 1, :n], out[b : b + 1], lse[b : b + 1], dtype,
+            causal, window=window,
+        )
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,heads_kv", [(8, 8), (8, 2), (6, 1)])
+@pytest.mark.parametrize("seqlen_q", [1, 5, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode(rng, nan_outputs, dtype, seqlen_q, heads, heads_kv, causal):
+    decode_and_check(rng, dtype, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, head_dim=59, cache_len=1031,
+                     seqlen_new=seqlen_q, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_every_head_dim_class(rng, nan_outputs, dtype, head_dim):
+    decode_and_check(rng, dtype, seqlen_q=2, heads=4, heads_kv=2, head_dim=head_dim, cache_len=333, seqlen_new=2,
+                     causal=True)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_splits(rng, nan_outputs, dtype, num_splits):
+    # A long sequence and a short one: some splits of the short one see no key at all.
+    decode_and_check(rng, dtype, batch=2, heads=2, heads_kv=1, head_dim=128, cache_len=9000,
+                     lengths=[8999, 3], seqlen_new=1, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (17, 0), (100, None), (None, 5), (300, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_decode_window(rng, nan_outputs, dtype, causal, window):
+    decode_and_check(rng, dtype, seqlen_q=4, heads=4, heads_kv=2, head_dim=40, cache_len=1500, seqlen_new=4,
+                     causal=causal, window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_strided_host_lengths_no_append(rng, nan_outputs, dtype):
+    decode_and_check(rng, dtype, seqlen_q=3, heads=6, heads_kv=3, head_dim=111, cache_len=517, host_lengths=True,
+                     layout="strided")
+    decode_and_check(rng, dtype, seqlen_q=1, heads=2, heads_kv=2, head_dim=32, cache_len=300, seqlen_new=7,
+                     layout="strided")
+
+
+def test_decode_more_query_rows_than_a_block(rng, nan_outputs):
+    """seqlen_q x group rows above one block's 16 (tensor cores) or 8-16 (CUDA cores)."""
+    decode_and_check(rng, "bfloat16", seqlen_q=9, heads=16, heads_kv=2, head_dim=128, cache_len=800, causal=True)
+    decode_and_check(rng, "float64", seqlen_q=40, heads=2, heads_kv=1, head_dim=256, cache_len=300, causal=True)
+
+
+def test_decode_empty_caches(rng, nan_outputs):
+    import cupy
+
+    out, lse = decode_and_check(rng, "float16", lengths=[0, 0, 0])
+    assert not out.any() and bool(cupy.isneginf(lse).all())
+
+
+def test_decode_scalar_path_for_16_bit(rng, nan_outputs, monkeypatch):
+    """16-bit decoding on the CUDA-core kernel (what GPUs older than sm_80 run)."""
+    monkeypatch.setattr(_attention, "tensor_cores_for", lambda p, device_id: False)
+    decode_and_check(rng, "float16", seqlen_q=4, heads=8, heads_kv=2, head_dim=96, cache_len=900, seqlen_new=4,
+                     causal=True)
+    decode_and_check(rng, "bfloat16", seqlen_q=1, heads=4, heads_kv=4, head_dim=256, cache_len=400, window=(50, 0))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_equals_attention_on_the_same_keys(rng, dtype):
+    """A full cache, no append: the same numbers as attention() within rounding (not bitwise:
+    the key order of the sums differs)."""
+    import cupy
+
+    dt = numpy_dtype(dtype)
+    q = cupy.asarray(rng.standard_normal((2, 3, 4, 64)).astype(dt))
+    k, v = (cupy.asarray(rng.standard_normal((2, 2000, 2, 64)).astype(dt)) for _ in range(2))
+    out, lse = cupyflash.attention_decode(q, k, v, causal=True, return_lse=True)
+    want, want_lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    numpy.testing.assert_allclose(out.astype(numpy.float32).get(), want.astype(numpy.float32).get(), atol=tol)
+    numpy.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_splits_heuristic_fills_the_gpu():
+    assert _decode.choose_splits(blocks=1000, key_tiles=1000, slots=264) == 1  # already a full wave
+    assert _decode.choose_splits(blocks=8, key_tiles=4, slots=264) == 1  # too short to split
+    splits = _decode.choose_splits(blocks=8, key_tiles=256, slots=264)
+    assert 1 < splits <= 64 and 8 * splits >= 0.8 * 264
+
+
+def test_numpy_caches_are_appended_on_the_host(rng):
+    q = rng.standard_normal((2, 1, 4, 32)).astype(numpy.float32)
+    k_cache, v_cache = (rng.standard_normal((2, 50, 2, 32)).astype(numpy.float32) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((2, 1, 2, 32)).astype(numpy.float32) for _ in range(2))
+    lengths = numpy.array([3, 49], numpy.int32)
+    want = reference.attention_decode(q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new)
+    out = cupyflash.attention_decode(q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new)
+    assert isinstance(out, numpy.ndarray)
+    numpy.testing.assert_allclose(out, want, atol=1e-5)
+    numpy.testing.assert_array_equal(k_cache[0, 3], k_new[0, 0])
+    numpy.testing.assert_array_equal(v_cache[1, 49], v_new[1, 0])
+
+
+def test_torch_caches_are_appended_in_place(rng):
+    torch = pytest.importorskip("torch")
+    device = torch.device("cuda")
+    q = torch.randn(2, 1, 8, 128, device=device, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(2, 4096, 2, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([100, 4095], device=device, dtype=torch.int32)
+    out = cupyflash.attention_decode(q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    assert torch.equal(k_cache[0, 100], k_new[0, 0]) and torch.equal(v_cache[1, 4095], v_new[1, 0])
+    # torch SDPA on sequence 0's keys (GQA repeated explicitly) agrees within bfloat16 rounding.
+    keys = k_cache[0:1, :101].repeat_interleave(4, dim=2).transpose(1, 2)
+    values = v_cache[0:1, :101].repeat_interleave(4, dim=2).transpose(1, 2)
+    want = torch.nn.functional.scaled_dot_product_attention(q[0:1].transpose(1, 2), keys, values).transpose(1, 2)
+    torch.testing.assert_close(out[0:1].float(), want.float(), atol=2e-2, rtol=2e-2)
