@@ -81,8 +81,9 @@ def attention_decode(
     lengths = cache_seqlens
     if hasattr(lengths, "__dlpack__"):  # an array of any framework (ints and lists are checked below)
         origin = _arrays.classify(lengths, "cache_seqlens")
-        if origin.on_gpu != origins["q"].on_gpu or (origin.on_gpu and origin.device_id != origins["q"].device_id):
-            raise ValueError("cache_seqlens must be on the same device as q (or a host int, list or NumPy array)")
+        # Host lengths go with any inputs (checked, then copied); device lengths must be q's device.
+        if origin.on_gpu and (not origins["q"].on_gpu or origin.device_id != origins["q"].device_id):
+            raise ValueError("cache_seqlens on the GPU must be on q's device (or pass a host int, list or NumPy array)")
         lengths = _arrays.ingest(lengths, origin, "cache_seqlens")
     problem = _validation.check_decode_args(
         arrays["q"], arrays["k_cache"], arrays["v_cache"], lengths, arrays.get("k_new"), arrays.get("v_new"),

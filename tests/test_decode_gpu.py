@@ -112,6 +112,19 @@ def test_decode_more_query_rows_than_a_block(rng, nan_outputs):
     decode_and_check(rng, "float64", seqlen_q=40, heads=2, heads_kv=1, head_dim=256, cache_len=300, causal=True)
 
 
+def test_decode_lengths_on_the_host_or_another_framework(rng, nan_outputs):
+    import cupy
+
+    decode_and_check(rng, "float32", lengths=numpy.array([5, 0, 700], numpy.int32), host_lengths=True)
+    q = cupy.asarray(rng.standard_normal((1, 1, 2, 16)).astype(numpy.float32))
+    k = cupy.asarray(rng.standard_normal((1, 40, 2, 16)).astype(numpy.float32))
+    want = cupyflash.attention_decode(q, k, k, cupy.asarray([30], numpy.int32))
+    for lengths in (30, [30], numpy.array([30], numpy.int64), cupy.asarray([30], numpy.int64)):
+        numpy.testing.assert_array_equal(cupyflash.attention_decode(q, k, k, lengths).get(), want.get())
+    with pytest.raises(ValueError, match="cache_seqlens on the GPU must be on q's device"):
+        cupyflash.attention_decode(q.get(), k.get(), k.get(), cupy.asarray([30], numpy.int32))
+
+
 def test_decode_empty_caches(rng, nan_outputs):
     import cupy
 
@@ -178,3 +191,21 @@ def test_torch_caches_are_appended_in_place(rng):
     values = v_cache[0:1, :101].repeat_interleave(4, dim=2).transpose(1, 2)
     want = torch.nn.functional.scaled_dot_product_attention(q[0:1].transpose(1, 2), keys, values).transpose(1, 2)
     torch.testing.assert_close(out[0:1].float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_jax_caches_are_read_and_never_appended_to(rng):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU backend here")
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 64)).astype(numpy.float32))
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal((2, 300, 2, 64)).astype(numpy.float32)) for _ in range(2))
+    lengths = numpy.array([17, 300], numpy.int32)
+    out = cupyflash.attention_decode(q, k_cache, v_cache, lengths)
+    assert isinstance(out, jax.Array)
+    want = reference.attention_decode(*(numpy.asarray(x) for x in (q, k_cache, v_cache)), lengths)
+    numpy.testing.assert_allclose(numpy.asarray(out), want, atol=1e-5)
+    k_new = jnp.zeros((2, 1, 2, 64), jnp.float32)
+    with pytest.raises(TypeError, match="JAX arrays, which are immutable"):
+        cupyflash.attention_decode(q, k_cache, v_cache, [0, 0], k_new=k_new, v_new=k_new)
