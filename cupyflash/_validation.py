@@ -332,10 +332,6 @@ class DecodeProblem:
     cache_seqlens: object  # int32 array (batch,) on the arrays' side, or None: every cache full
     num_splits: int | None  # None: chosen by the heuristic
 
-    @property
-    def cache_len(self) -> int:
-        return self.attention.seqlen_k
-
 
 def check_decode_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, causal, scale, return_lse, window,
                       num_splits, immutable_caches=False) -> DecodeProblem:
