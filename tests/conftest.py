@@ -59,3 +59,12 @@ def nan_outputs(monkeypatch):
         return cupy.full(shape, numpy.nan, dtype=numpy.float32).astype(dtype)
 
     monkeypatch.setattr(_attention, "_empty", nan_empty)
+
+
+@pytest.fixture
+def jax_gpu():
+    """The jax module, when JAX is installed with a GPU backend; otherwise the test is skipped."""
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU backend here")
+    return jax

@@ -273,13 +273,6 @@ def test_tiny_model_trains_the_same_through_the_torch_adapter(rng):
 # --------------------------------------------------------------------------- JAX
 
 
-def _jax_gpu():
-    jax = pytest.importorskip("jax")
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("JAX has no GPU backend here")
-    return jax
-
-
 def _jnp_attention(q, k, v, causal):
     import jax
 
@@ -294,8 +287,8 @@ def _jnp_attention(q, k, v, causal):
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_jax_adapter_gradients(rng, dtype, jit):
-    jax = _jax_gpu()
+def test_jax_adapter_gradients(rng, dtype, jit, jax_gpu):
+    jax = jax_gpu
     jnp = jax.numpy
     import cupyflash.jax
 

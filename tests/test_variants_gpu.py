@@ -159,14 +159,12 @@ def test_torch_adapter(rng):
     assert_gradients_match_reference(*as_np, grads, "bfloat16", True, window=(50, None))
 
 
-def test_jax_adapter(rng):
-    jax = pytest.importorskip("jax")
+def test_jax_adapter(rng, jax_gpu):
+    jax = jax_gpu
     import jax.numpy as jnp
 
     import cupyflash.jax
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("JAX has no GPU backend here")
     q = jnp.asarray(rng.standard_normal((1, 150, 4, 32)).astype(numpy.float32))
     k, v = (jnp.asarray(rng.standard_normal((1, 180, 1, 32)).astype(numpy.float32)) for _ in range(2))
     f = jax.jit(lambda q, k, v: cupyflash.jax.attention(q, k, v, window=(30, 30)).sum())
