@@ -403,4 +403,5 @@ def _check_cache_seqlens(cache_seqlens, batch: int, cache_len: int, seqlen_new: 
                 f"{cache_len}, {seqlen_new} new keys), got values from {cache_seqlens.min()} to {cache_seqlens.max()}"
             )
         return numpy.ascontiguousarray(cache_seqlens, dtype=numpy.int32)
-    return cache_seqlens.astype("int32", copy=False)  # a CuPy array: used as given
+    # A CuPy array: its values used as given; the kernels read int32 lengths one after the other.
+    return cache_seqlens.astype("int32", order="C", copy=False)

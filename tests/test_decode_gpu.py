@@ -125,6 +125,33 @@ def test_decode_lengths_on_the_host_or_another_framework(rng, nan_outputs):
         cupyflash.attention_decode(q.get(), k.get(), k.get(), cupy.asarray([30], numpy.int32))
 
 
+def test_decoding_loop_checks_each_step_shape_once(rng, nan_outputs):
+    """Steps of one shape are checked once (`_decode._checked_steps`); every step still computes
+    on its own data and lengths, and a call that differs in any checked respect is checked."""
+    import cupy
+
+    _decode._checked_steps.clear()
+    k_cache, v_cache = (cupy.asarray(rng.standard_normal((2, 64, 2, 32)).astype(numpy.float32)) for _ in range(2))
+    lengths = cupy.asarray([0, 10], numpy.int32)
+    for _ in range(5):
+        q = cupy.asarray(rng.standard_normal((2, 1, 4, 32)).astype(numpy.float32))
+        k_new, v_new = (cupy.asarray(rng.standard_normal((2, 1, 2, 32)).astype(numpy.float32)) for _ in range(2))
+        k_before, v_before = k_cache.get(), v_cache.get()
+        out = cupyflash.attention_decode(q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, causal=True)
+        want = reference.attention_decode(q, k_before, v_before, lengths, k_new=k_new, v_new=v_new, causal=True)
+        numpy.testing.assert_allclose(out.get(), want, atol=1e-5)
+        lengths += 1
+    assert len(_decode._checked_steps) == 1
+    with pytest.raises(ValueError, match="cache_seqlens is required with k_new"):
+        cupyflash.attention_decode(q, k_cache, v_cache, None, k_new=k_new, v_new=v_new)
+    with pytest.raises(TypeError, match="k_new must have q's dtype"):
+        cupyflash.attention_decode(q, k_cache, v_cache, lengths, k_new=k_new.astype(numpy.float64), v_new=v_new)
+    strided = cupy.asarray([3, -7, 40, -7], numpy.int32)[::2]  # read in order, not as stored
+    for _ in range(2):
+        out = cupyflash.attention_decode(q, k_cache, v_cache, strided)
+        numpy.testing.assert_allclose(out.get(), reference.attention_decode(q, k_cache, v_cache, [3, 40]), atol=1e-5)
+
+
 def test_decode_empty_caches(rng, nan_outputs):
     import cupy
 
