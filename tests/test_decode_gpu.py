@@ -183,13 +183,6 @@ def test_decode_equals_attention_on_the_same_keys(rng, dtype):
     numpy.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-5, rtol=1e-5)
 
 
-def test_decode_splits_heuristic_fills_the_gpu():
-    assert _decode.choose_splits(blocks=1000, key_tiles=1000, slots=264) == 1  # already a full wave
-    assert _decode.choose_splits(blocks=8, key_tiles=4, slots=264) == 1  # too short to split
-    splits = _decode.choose_splits(blocks=8, key_tiles=256, slots=264)
-    assert 1 < splits <= 64 and 8 * splits >= 0.8 * 264
-
-
 def test_numpy_caches_are_appended_on_the_host(rng):
     q = rng.standard_normal((2, 1, 4, 32)).astype(numpy.float32)
     k_cache, v_cache = (rng.standard_normal((2, 50, 2, 32)).astype(numpy.float32) for _ in range(2))
