@@ -110,12 +110,11 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, ret
 
 def attention_decode(
     q, k_cache, v_cache, cache_seqlens=None, *, k_new=None, v_new=None, causal=False, window=None, scale=None,
-    return_lse=False, precision=None,
+    return_lse=False,
 ):
     """KV-cache decoding in float64 (semantics of `cupyflash.attention_decode`), one sequence at a
     time: its cached keys, then k_new, attended to with `attention`. The caches are left as they
-    are (the append happens on copies). precision: a dtype to do the same computation in that
-    dtype's precision instead (`attention_in_precision`, the tests' baseline)."""
+    are (the append happens on copies)."""
     q = _as_float64(q)
     k, v = numpy.array(_as_float64(k_cache)), numpy.array(_as_float64(v_cache))
     batch, seqlen_q, heads, _ = q.shape
@@ -131,8 +130,7 @@ def attention_decode(
     lse = numpy.full((batch, heads, seqlen_q), -numpy.inf)
     for b in range(batch):
         args = (q[b : b + 1], k[b : b + 1, : lengths[b]], v[b : b + 1, : lengths[b]])
-        options = dict(causal=causal, scale=scale, return_lse=True, window=window)
-        o, l = attention(*args, **options) if precision is None else attention_in_precision(*args, precision, **options)
+        o, l = attention(*args, causal=causal, scale=scale, return_lse=True, window=window)
         out[b], lse[b] = o[0], l[0]
     return (out, lse) if return_lse else out
 

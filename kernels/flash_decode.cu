@@ -26,6 +26,19 @@ __device__ __forceinline__ void load_decode_queries(T* sQ, int stride, const Dec
     }
 }
 
+// x reduced with op over the warp's 32 lanes; every lane gets the result.
+template <typename T, typename Op> __device__ __forceinline__ T warp_reduce(T x, Op op) {
+#pragma unroll
+    for (int s = 16; s >= 1; s /= 2) x = op(x, shfl_xor(x, s));
+    return x;
+}
+template <typename T> __device__ __forceinline__ T warp_max(T x) {
+    return warp_reduce(x, [](T a, T b) { return max_(a, b); });
+}
+template <typename T> __device__ __forceinline__ T warp_sum(T x) {
+    return warp_reduce(x, [](T a, T b) { return a + b; });
+}
+
 // Block coordinates of both decode kernels. Grid: (row blocks x num_splits x K/V heads, batch),
 // the row blocks innermost, so that blocks reading the same K/V tiles run side by side (L2).
 struct DecodeBlock {
@@ -266,10 +279,7 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Decod
             const int query = (block.row0 + r) / params.kv_group + offset;
             if (lane >= keys || key < query - params.window_left || key > query + params.window_right)
                 S[r] = neg_inf<Accum>();
-            Accum m_tile = S[r];
-#pragma unroll
-            for (int s = 16; s >= 1; s /= 2) m_tile = max_(m_tile, shfl_xor(m_tile, s));
-            const Accum m_new = max_(m[r], m_tile);
+            const Accum m_new = max_(m[r], warp_max(S[r]));
             const Accum m_safe = m_new == neg_inf<Accum>() ? Accum(0) : m_new;
             const Accum rescale = exp2_(m[r] - m_safe);
             S[r] = exp2_(S[r] - m_safe);  // P_ij
@@ -303,9 +313,7 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Decod
     Accum* sO = sL + Kt::kNWarps * Kt::kRows;
 #pragma unroll
     for (int r = 0; r < Kt::kRows; ++r) {
-        Accum l_row = l[r];
-#pragma unroll
-        for (int s = 16; s >= 1; s /= 2) l_row += shfl_xor(l_row, s);
+        const Accum l_row = warp_sum(l[r]);
         if (lane == 0) sM[warp * Kt::kRows + r] = m[r], sL[warp * Kt::kRows + r] = l_row;
 #pragma unroll
         for (int j = 0; j < Kt::kColsPerLane; ++j)
@@ -320,8 +328,7 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Decod
 // x reduced over the block with op (every thread gets the result); s_scratch: kThreads / 32 values.
 template <int kThreads, typename T, typename Op>
 __device__ __forceinline__ T block_reduce(T x, Op op, T* s_scratch) {
-#pragma unroll
-    for (int s = 16; s >= 1; s /= 2) x = op(x, shfl_xor(x, s));
+    x = warp_reduce(x, op);
     if (threadIdx.x % 32 == 0) s_scratch[threadIdx.x / 32] = x;
     __syncthreads();  // every warp's partial is in shared memory (and everything written before it)
     x = s_scratch[0];
