@@ -1,10 +1,11 @@
-"""GQA/MQA and sliding-window attention against dense causal attention of the same shape.
+"""GQA/MQA, sliding-window, softcap and ALiBi attention against dense causal attention of the same shape.
 
     python benchmarks/bench_variants.py [--seqlen 16384] [--head-dim 128] [--max-seconds 0.12]
 
 What it shows: a window's time follows the band's width (key tiles outside it are skipped), and
 GQA costs what multi-head attention costs (K/V read in place; dK, dV summed on chip), with the
-torch SDPA flash backend (GQA through enable_gqa) on the same inputs where it runs. Correctness
+torch SDPA flash backend (GQA through enable_gqa) on the same inputs where it runs; and what the
+score modifiers (softcap, ALiBi) cost against the same problem without them (SDPA has neither). Correctness
 first: each variant at seqlen --check-seqlen (the same kernels; a float64 seqlen^2 reference at
 16k would take minutes), one query group against the float64 reference under the tolerance rule.
 TFLOP/s count only the visible (query, key) pairs: 4 d per pair forward, 2.5x that backward.
@@ -33,13 +34,20 @@ def visible_pairs(seqlen: int, left, right) -> int:
     return sum(seqlen - abs(delta) for delta in range(lo, hi + 1))
 
 
-def check_head(q, k, v, dout, out, grads, window, causal, dtype):
+def alibi_slopes(heads: int) -> numpy.ndarray:
+    """ALiBi's geometric slopes 2^(-8 (h + 1) / heads) (Press et al., 2022)."""
+    return 2.0 ** (-8.0 * (numpy.arange(heads) + 1) / heads)
+
+
+def check_head(q, k, v, dout, out, grads, window, causal, dtype, mods):
     """Head 0 (and its K/V head) of batch 0 against float64 under the 2x rule."""
     group = q.shape[2] // k.shape[2]
     sl = (slice(0, 1), slice(None), slice(0, group))
     kv = (slice(0, 1), slice(None), slice(0, 1))
     qs, ks, vs, ds = (reference._as_float64(x[s]) for x, s in ((q, sl), (k, kv), (v, kv), (dout, sl)))
-    options = {"causal": causal, "window": window}
+    options = {"causal": causal, "window": window, **mods}
+    if mods.get("alibi_slopes") is not None:
+        options["alibi_slopes"] = reference._as_float64(mods["alibi_slopes"])[:group]
     dt = q.dtype
     ok = True
     ref = reference.attention(qs, ks, vs, **options)
@@ -69,15 +77,21 @@ def main(argv=None) -> int:
 
     dt = BFLOAT16 if args.dtype == "bfloat16" else numpy.dtype(numpy.float16)
     s, h, d = args.seqlen, args.heads, args.head_dim
-    # (label, heads_kv, causal, window)
+    slopes = cupy.asarray(alibi_slopes(h), dtype=cupy.float32)
+    # (label, heads_kv, causal, window, score modifiers)
     problems = [
-        ("causal", h, True, None),
-        ("causal, window (4095, 0)", h, True, (4095, None)),
-        ("causal, window (1023, 0)", h, True, (1023, None)),
-        ("window (511, 512)", h, False, (511, 512)),
-        ("causal, GQA 4 K/V heads", 4, True, None),
-        ("causal, MQA 1 K/V head", 1, True, None),
-        ("window (1023, 0), GQA 4", 4, True, (1023, None)),
+        ("causal", h, True, None, {}),
+        ("causal, window (4095, 0)", h, True, (4095, None), {}),
+        ("causal, window (1023, 0)", h, True, (1023, None), {}),
+        ("window (511, 512)", h, False, (511, 512), {}),
+        ("causal, GQA 4 K/V heads", 4, True, None, {}),
+        ("causal, MQA 1 K/V head", 1, True, None, {}),
+        ("window (1023, 0), GQA 4", 4, True, (1023, None), {}),
+        ("non-causal", h, False, None, {}),
+        ("non-causal, softcap 30", h, False, None, {"softcap": 30.0}),
+        ("causal, softcap 30", h, True, None, {"softcap": 30.0}),
+        ("causal, ALiBi", h, True, None, {"alibi_slopes": slopes}),
+        ("causal, softcap + ALiBi", h, True, None, {"softcap": 30.0, "alibi_slopes": slopes}),
     ]
     try:
         import torch
@@ -95,12 +109,12 @@ def main(argv=None) -> int:
         k, v = (cupy.asarray(rng.standard_normal((1, seqlen, heads_kv, d)).astype(dt)) for _ in range(2))
         return q, k, v, cupy.asarray(rng.standard_normal(q.shape).astype(dt))
 
-    for label, heads_kv, causal, window in problems:
-        options = {"causal": causal, "window": window}
+    for label, heads_kv, causal, window, mods in problems:
+        options = {"causal": causal, "window": window, **mods}
         q, k, v, dout = inputs(args.check_seqlen, heads_kv)
         out, lse = cupyflash.attention(q, k, v, return_lse=True, **options)
         grads = cupyflash.attention_backward(dout, q, k, v, out, lse, **options)
-        ok = check_head(q, k, v, dout, out, grads, window, causal, args.dtype)
+        ok = check_head(q, k, v, dout, out, grads, window, causal, args.dtype, mods)
         failures += not ok
         q, k, v, dout = inputs(s, heads_kv)
         out, lse = cupyflash.attention(q, k, v, return_lse=True, **options)
@@ -110,7 +124,7 @@ def main(argv=None) -> int:
         pairs = visible_pairs(s, left, 0 if causal else right)
         flops = 4 * d * pairs * h
         torch_fwd = torch_bwd = None
-        if torch is not None and window is None:  # SDPA has no sliding window
+        if torch is not None and window is None and not mods:  # SDPA has no sliding window, softcap or ALiBi
             tq, tk, tv, tdo = (bench.torch_view(x) for x in (q, k, v, dout))
             tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):

@@ -18,7 +18,7 @@ def gpu_available() -> bool:
     return bool(cupy.cuda.is_available())
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=None):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=None, softcap=None, alibi_slopes=None):
     """Exact softmax attention, computed with FlashAttention-2's tiled online softmax.
 
     out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h]) v[b, j, h]
@@ -64,6 +64,14 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=Non
         ``causal=True, window=(255, None)`` lets each query see itself and the 255 keys before
         it. Key blocks outside the band are skipped, so the time is proportional to the band's
         width, not to seqlen_k.
+    softcap : float, optional
+        Caps the scaled scores smoothly, s -> softcap * tanh(s / softcap), before the softmax
+        (Gemma 2, Grok). None or 0: none.
+    alibi_slopes : array, optional
+        ALiBi: adds -slope[h] * |i + seqlen_k - seqlen_q - j| to the (softcapped) score of query
+        i and key j, the key's distance from the query's own position, aligned bottom-right as
+        causal is. Shape (heads,) or (batch, heads), any real float dtype (used in the kernels'
+        accumulator precision); on the host, or on q's GPU. flash-attn's semantics.
 
     Returns
     -------
@@ -101,10 +109,12 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=Non
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
-    return _attention(q, k, v, causal, scale, return_lse, None, window)
+    return _attention(q, k, v, causal, scale, return_lse, None, window, softcap, alibi_slopes)
 
 
-def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, return_lse=False, window=None):
+def block_sparse_attention(
+    q, k, v, block_mask, *, causal=False, scale=None, return_lse=False, window=None, softcap=None, alibi_slopes=None
+):
     """Block-sparse FlashAttention (FlashAttention, §3.3, Algorithm 5): `attention` restricted to
     the nonzero blocks of `block_mask`.
 
@@ -117,8 +127,8 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, ret
 
     Parameters
     ----------
-    q, k, v, causal, scale, return_lse, window : as `attention` (a window applies on top of
-        the mask: a key is visible when both keep it)
+    q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes : as `attention` (a
+        window applies on top of the mask: a key is visible when both keep it)
     block_mask : cupyflash.BlockMask
         Of shape (heads or 1, ceil(seqlen_q / block_q), ceil(seqlen_k / block_k)), optionally
         with a leading batch axis (batch or 1). Its block size must be a whole number of the
@@ -139,17 +149,19 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, ret
     >>> out.shape
     (1, 256, 2, 16)
     """
-    return _attention(q, k, v, causal, scale, return_lse, block_mask, window)
+    return _attention(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes)
 
 
-def _attention(q, k, v, causal, scale, return_lse, block_mask, window=None):
+def _attention(q, k, v, causal, scale, return_lse, block_mask, window=None, softcap=None, alibi_slopes=None):
     given = {"q": q, "k": k, "v": v}
     origins = {name: _arrays.classify(x, name) for name, x in given.items()}
     _arrays.check_placement(origins)
     arrays = {name: _arrays.ingest(x, origins[name], name) for name, x in given.items()}
     problem = _validation.check_attention_args(
-        arrays["q"], arrays["k"], arrays["v"], causal=causal, scale=scale, return_lse=return_lse, window=window
+        arrays["q"], arrays["k"], arrays["v"], causal=causal, scale=scale, return_lse=return_lse, window=window,
+        softcap=softcap,
     )
+    problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), problem)
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem)
     q_, k_, v_ = arrays["q"], arrays["k"], arrays["v"]
@@ -168,9 +180,31 @@ def _attention(q, k, v, causal, scale, return_lse, block_mask, window=None):
     return (out, _arrays.export(lse, origin)) if problem.return_lse else out
 
 
+def _ingest_slopes(slopes, q_origin: _arrays.Origin):
+    """alibi_slopes as NumPy or CuPy: a host array (or list) with any q, a GPU array only with q on
+    the same GPU."""
+    if slopes is None:
+        return None
+    if isinstance(slopes, (list, tuple)):
+        slopes = numpy.asarray(slopes)
+    origin = _arrays.classify(slopes, "alibi_slopes")
+    if origin.on_gpu and (not q_origin.on_gpu or origin.device_id != q_origin.device_id):
+        where = f"GPU {q_origin.device_id}" if q_origin.on_gpu else "the host"
+        raise ValueError(f"alibi_slopes is on GPU {origin.device_id} while q is on {where}; pass the slopes on "
+                         f"the host or on q's GPU")
+    return _arrays.ingest(slopes, origin, "alibi_slopes")
+
+
+def _score_mod_options(p: _validation.AttentionProblem) -> dict:
+    """The reference's softcap and alibi_slopes arguments for the problem."""
+    slopes = p.alibi_slopes
+    return {"softcap": p.softcap, "alibi_slopes": None if slopes is None else reference._as_float64(slopes)}
+
+
 def _forward_cpu(q, k, v, p: _validation.AttentionProblem):
     out, lse = reference.tiled_attention(
-        q, k, v, causal=p.causal, scale=p.scale, return_lse=True, block_mask=p.block_mask, window=p.window
+        q, k, v, causal=p.causal, scale=p.scale, return_lse=True, block_mask=p.block_mask, window=p.window,
+        **_score_mod_options(p),
     )
     return out.astype(q.dtype), lse.astype(_validation.lse_dtype(p.dtype_name))
 
@@ -211,6 +245,24 @@ def _problem_fields(fields: dict, p: _validation.AttentionProblem, device_id: in
     fields["band_first"], fields["band_last"] = p.kernel_band()
     fields["scale_log2"] = p.scale * reference.LOG2E
     _mask_fields(fields, p.block_mask, device_id)
+    fields["softcap_log2"] = 0.0 if p.softcap is None else p.softcap * reference.LOG2E
+    fields["alibi_slopes"] = fields["alibi_batch_stride"] = 0
+
+
+def _slopes_field(fields: dict, p: _validation.AttentionProblem):
+    """Sets the ALiBi fields; returns the slopes' device array (contiguous, in the kernels' Accum
+    type), which must stay alive until the launch is queued."""
+    if p.alibi_slopes is None:
+        return None
+    import cupy
+
+    slopes = p.alibi_slopes
+    if isinstance(slopes, numpy.ndarray):
+        slopes = numpy.ascontiguousarray(slopes, dtype=numpy.float64)  # bfloat16 has no CuPy cast
+    slopes = cupy.ascontiguousarray(cupy.asarray(slopes), dtype=_validation.lse_dtype(p.dtype_name))
+    fields["alibi_slopes"] = slopes.data.ptr
+    fields["alibi_batch_stride"] = p.heads if slopes.shape[0] > 1 else 0
+    return slopes
 
 
 _MASK_POINTERS = ("kv_block_count", "kv_block_index", "q_block_count", "q_block_index")
@@ -280,7 +332,9 @@ def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores
     it, unless tensor_cores=False."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
-    return _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None)
+    return _instantiations.fwd_kernel(
+        p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None, p.score_mod
+    )
 
 
 def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=None, tensor_cores=None) -> None:
@@ -293,6 +347,7 @@ def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=No
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         _pointer_and_strides(fields, name, x)
     _problem_fields(fields, p, q.device.id)
+    slopes = _slopes_field(fields, p)  # noqa: F841 - alive until the launch is queued
     params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
     _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params)
 
@@ -300,7 +355,10 @@ def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=No
 # --------------------------------------------------------------------------- backward
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic=False, window=None):
+def attention_backward(
+    dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic=False, window=None, softcap=None,
+    alibi_slopes=None,
+):
     """Gradients of attention: FlashAttention-2's backward pass, recomputing P from the saved lse.
 
     Given dout = dL/d(out) for ``out, lse = attention(q, k, v, causal=..., scale=...,
@@ -316,7 +374,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, det
         k, v with heads_kv heads for GQA/MQA)
     lse : array, shape (batch, heads, seqlen_q), float32 (float64 for float64 inputs)
         The forward's log-sum-exp; any strides.
-    causal, scale, window : as given to the forward (same bottom-right alignment)
+    causal, scale, window, softcap, alibi_slopes : as given to the forward (same bottom-right
+        alignment). With a softcap, dq and dk carry its derivative 1 - tanh^2; the slopes get no
+        gradient (they are constants, as in flash-attn).
     deterministic : bool
         False (default): dq is summed across key blocks with float32 atomic adds, whose order
         varies, so the last bits of dq can differ from run to run. True: dq comes from a
@@ -350,11 +410,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, det
     >>> dq.shape, dk.dtype
     ((1, 5, 2, 16), dtype('float32'))
     """
-    return _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, None, window)
+    return _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, None, window, softcap, alibi_slopes)
 
 
 def block_sparse_attention_backward(
-    dout, q, k, v, out, lse, block_mask, *, causal=False, scale=None, deterministic=False, window=None
+    dout, q, k, v, out, lse, block_mask, *, causal=False, scale=None, deterministic=False, window=None, softcap=None,
+    alibi_slopes=None,
 ):
     """Gradients of `block_sparse_attention`: `attention_backward` over the nonzero blocks of
     `block_mask` only (pass the mask and options the forward had). The dK/dV pass walks, per key
@@ -362,17 +423,22 @@ def block_sparse_attention_backward(
     over each mask row) likewise skip zero blocks. Keys that no query sees get dk = dv = 0; rows
     that see no key get dq = 0. Arguments, results and errors as `attention_backward`, and the
     mask as `block_sparse_attention`."""
-    return _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window)
+    return _attention_backward(
+        dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window, softcap, alibi_slopes
+    )
 
 
-def _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window=None):
+def _attention_backward(
+    dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window=None, softcap=None, alibi_slopes=None
+):
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     origins = {name: _arrays.classify(x, name) for name, x in given.items()}
     _arrays.check_placement(origins)
     arrays = {name: _arrays.ingest(x, origins[name], name) for name, x in given.items()}
     problem = _validation.check_backward_args(
-        *arrays.values(), causal=causal, scale=scale, deterministic=deterministic, window=window
+        *arrays.values(), causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap
     )
+    problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), problem)
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem)
     if not origins["q"].on_gpu and not gpu_available():
@@ -388,7 +454,8 @@ def _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, b
 
 def _backward_cpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
     grads = reference.tiled_attention_backward(
-        dout, q, k, v, out, lse, causal=p.causal, scale=p.scale, block_mask=p.block_mask, window=p.window
+        dout, q, k, v, out, lse, causal=p.causal, scale=p.scale, block_mask=p.block_mask, window=p.window,
+        **_score_mod_options(p),
     )
     return tuple(g.astype(q.dtype) for g in grads)
 
@@ -407,7 +474,8 @@ def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cor
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
     return _instantiations.bwd_kernels(
-        p.dtype_name, p.head_dim, p.local, tensor_cores, large_shared_memory(device_id), p.block_mask is not None
+        p.dtype_name, p.head_dim, p.local, tensor_cores, large_shared_memory(device_id), p.block_mask is not None,
+        p.score_mod,
     )
 
 
@@ -434,6 +502,7 @@ def launch_backward(
         fields[f"lse_{name}_stride"] = lse.strides[axis] // lse.dtype.itemsize
     fields["dq_accum"] = 0 if dq_accum is None else dq_accum.data.ptr
     _problem_fields(fields, p, device_id)
+    slopes = _slopes_field(fields, p)  # noqa: F841 - alive until the launches are queued
     params = _params(_instantiations.BWD_PARAMS_DTYPE, fields)
 
     def launch(kernel):

@@ -74,10 +74,12 @@ def padded_head_dim(head_dim: int) -> int:
 class _TiledKernel:
     """What the tiled kernels share. Their traits' template arguments are the element type, the
     padded head dim and the tile shape's fields in declaration order; the kernel's are the traits,
-    local and block_sparse. local: the instantiation that skips and masks outside a band of keys
-    (causal, sliding-window attention, both); block_sparse: the one that walks a block mask's
-    lists (the dense one compiles to the same code as before block-sparse attention existed). Subclasses give
-    source_file, kernel_name, traits_name, tile, smem_bytes, grid and a block_sparse field."""
+    local, block_sparse and, only when set, score_mod. local: the instantiation that skips and
+    masks outside a band of keys (causal, sliding-window attention, both); block_sparse: the one
+    that walks a block mask's lists (the dense one compiles to the same code as before block-sparse
+    attention existed); score_mod: softcap and ALiBi on the scores (always with local, whose band
+    also covers an unbanded problem). Subclasses give source_file, kernel_name, traits_name, tile,
+    smem_bytes, grid and block_sparse and score_mod fields."""
 
     per_kv_head = False  # grid over query heads (True: over K/V heads, the dK/dV kernels)
 
@@ -92,7 +94,8 @@ class _TiledKernel:
 
     @property
     def name_expression(self) -> str:
-        flags = ", ".join("true" if flag else "false" for flag in (self.local, self.block_sparse))
+        flags = (self.local, self.block_sparse) + ((True,) if self.score_mod else ())
+        flags = ", ".join("true" if flag else "false" for flag in flags)
         return f"cupyflash::{self.kernel_name}<{self.traits}, {flags}>"
 
     def host_checks(self) -> str:
@@ -112,6 +115,7 @@ class FwdKernel(_TiledKernel):
     local: bool
     tile_override: TileShape | None = None  # for tuning experiments; None: the traits table
     block_sparse: bool = False
+    score_mod: bool = False
 
     source_file = "flash_fwd.cu"
     kernel_name = "flash_fwd_kernel"
@@ -138,13 +142,24 @@ def _row_stride(dtype_name: str, columns: int) -> int:
     return columns + 16 // accum_itemsize(dtype_name)
 
 
-def fwd_kernel(dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, block_sparse: bool = False):
+def fwd_kernel(
+    dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, block_sparse: bool = False,
+    score_mod: bool = False,
+):
     """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), else
     FwdKernel; its local instantiation for causal or windowed attention, its block-sparse one with
-    block_sparse."""
+    block_sparse, its score-modifier one (softcap, ALiBi; local) with score_mod."""
     _check_tensor_core_dtype(dtype_name, tensor_cores)
     kind = TcFwdKernel if tensor_cores else FwdKernel
-    return kind(dtype_name, padded_head_dim(head_dim), bool(local), block_sparse=bool(block_sparse))
+    return kind(dtype_name, padded_head_dim(head_dim), bool(local or score_mod), block_sparse=bool(block_sparse),
+                score_mod=bool(score_mod))
+
+
+def _variants():
+    """(local, block_sparse, score_mod) of every instantiation of a tiled kernel: score_mod only
+    with local, which keeps the score-modifier builds at half the others'."""
+    return [(local, sparse, mod) for local in (False, True) for sparse in (False, True)
+            for mod in ((False, True) if local else (False,))]
 
 
 def _check_tensor_core_dtype(dtype_name: str, tensor_cores: bool) -> None:
@@ -154,11 +169,10 @@ def _check_tensor_core_dtype(dtype_name: str, tensor_cores: bool) -> None:
 
 def all_fwd_kernels() -> list[FwdKernel]:
     return [
-        FwdKernel(dtype_name, d, local, block_sparse=sparse)
+        FwdKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod)
         for dtype_name in DTYPE_NAMES
         for d in PADDED_HEAD_DIMS
-        for local in (False, True)
-        for sparse in (False, True)
+        for local, sparse, mod in _variants()
     ]
 
 
@@ -180,7 +194,8 @@ class DkdvTileShape:
 # 163 KiB without spills (`python -m cupyflash check-kernels`); not yet tuned by a sweep.
 def dkdv_tile_shape(dtype_name: str, padded_head_dim: int, block_sparse: bool = False) -> DkdvTileShape:
     """block_sparse: at d64 the block-sparse kernel's tile walk does not fit in the 128 registers
-    two blocks per SM leave (16-24 bytes of spills at sm_80 and sm_90a): one block per SM."""
+    two blocks per SM leave (16-24 bytes of spills at sm_80 and sm_90a): one block per SM. The
+    score-modifier kernel (its derivative tile beside P^T) takes the same (12 bytes otherwise)."""
     if accum_itemsize(dtype_name) == 4:
         if padded_head_dim <= 64:
             dq_rows = 2 if padded_head_dim < 32 else 4  # dQ's 32 column groups need head_dim >= 32
@@ -218,6 +233,7 @@ class BwdDkdvKernel(_TiledKernel):
     head_dim: int  # padded
     local: bool
     block_sparse: bool = False
+    score_mod: bool = False
 
     source_file = "flash_bwd.cu"
     kernel_name = "flash_bwd_dkdv_kernel"
@@ -226,7 +242,7 @@ class BwdDkdvKernel(_TiledKernel):
 
     @property
     def tile(self) -> DkdvTileShape:
-        return dkdv_tile_shape(self.dtype_name, self.head_dim, self.block_sparse)
+        return dkdv_tile_shape(self.dtype_name, self.head_dim, self.block_sparse or self.score_mod)
 
     @property
     def smem_bytes(self) -> int:
@@ -253,6 +269,7 @@ class BwdDqKernel(_TiledKernel):
     head_dim: int  # padded
     local: bool
     block_sparse: bool = False
+    score_mod: bool = False
 
     source_file = "flash_bwd.cu"
     kernel_name = "flash_bwd_dq_kernel"
@@ -307,17 +324,19 @@ BWD_ROW_STEPS = ("preprocess", "convert_dq")
 
 def bwd_kernels(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, large_smem: bool = False,
-    block_sparse: bool = False,
+    block_sparse: bool = False, score_mod: bool = False,
 ):
     """(dK/dV kernel, deterministic dQ kernel) for a problem; with tensor_cores (16-bit dtypes
     only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels, its dK/dV tile for
-    an H100's shared memory with large_smem (`tc_dkdv_tile_shape`); block_sparse as `fwd_kernel`."""
+    an H100's shared memory with large_smem (`tc_dkdv_tile_shape`); block_sparse and score_mod
+    as `fwd_kernel`."""
     _check_tensor_core_dtype(dtype_name, tensor_cores)
-    d, local, sparse = padded_head_dim(head_dim), bool(local), bool(block_sparse)
+    d, local, sparse, mod = padded_head_dim(head_dim), bool(local or score_mod), bool(block_sparse), bool(score_mod)
     if tensor_cores:
-        return (TcBwdDkdvKernel(dtype_name, d, local, large_smem=large_smem, block_sparse=sparse),
-                TcBwdDqKernel(dtype_name, d, local, block_sparse=sparse))
-    return BwdDkdvKernel(dtype_name, d, local, block_sparse=sparse), BwdDqKernel(dtype_name, d, local, block_sparse=sparse)
+        return (TcBwdDkdvKernel(dtype_name, d, local, large_smem=large_smem, block_sparse=sparse, score_mod=mod),
+                TcBwdDqKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod))
+    return (BwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod),
+            BwdDqKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod))
 
 
 @functools.cache  # on every block-sparse call's path; it depends only on these two values
@@ -327,11 +346,13 @@ def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
     shared-memory table), so that each kernel tile lies in one mask block, whatever the GPU."""
     d = padded_head_dim(head_dim)
     kernels = []
-    for local in (False, True):
-        kernels += [fwd_kernel(dtype_name, d, local, block_sparse=True), *bwd_kernels(dtype_name, d, local, block_sparse=True)]
+    for local, _, mod in _variants():
+        kernels += [fwd_kernel(dtype_name, d, local, block_sparse=True, score_mod=mod),
+                    *bwd_kernels(dtype_name, d, local, block_sparse=True, score_mod=mod)]
         if dtype_name in TENSOR_CORE_DTYPES:
-            kernels += [fwd_kernel(dtype_name, d, local, True, True), *bwd_kernels(dtype_name, d, local, True, block_sparse=True)]
-            kernels += [bwd_kernels(dtype_name, d, local, True, large_smem=True, block_sparse=True)[0]]
+            kernels += [fwd_kernel(dtype_name, d, local, True, True, mod),
+                        *bwd_kernels(dtype_name, d, local, True, block_sparse=True, score_mod=mod)]
+            kernels += [bwd_kernels(dtype_name, d, local, True, large_smem=True, block_sparse=True, score_mod=mod)[0]]
     return max(k.tile.block_m for k in kernels), max(k.tile.block_n for k in kernels)
 
 
@@ -339,9 +360,8 @@ def all_bwd_kernels() -> list:
     kernels = [BwdRowKernel(step, dtype_name) for dtype_name in DTYPE_NAMES for step in BWD_ROW_STEPS]
     for dtype_name in DTYPE_NAMES:
         for d in PADDED_HEAD_DIMS:
-            for local in (False, True):
-                for sparse in (False, True):
-                    kernels += list(bwd_kernels(dtype_name, d, local, block_sparse=sparse))
+            for local, sparse, mod in _variants():
+                kernels += list(bwd_kernels(dtype_name, d, local, block_sparse=sparse, score_mod=mod))
     return kernels
 
 
@@ -398,7 +418,9 @@ class TcBwdTileShape:
 
 # The traits table of the tensor-core kernels, by padded head dim. Every tile fits an A100's
 # 163 KiB of shared memory and compiles without spills (`python -m cupyflash check-kernels`).
-def tc_fwd_tile_shape(padded_head_dim: int, block_sparse: bool = False, local: bool = False) -> TcTileShape:
+def tc_fwd_tile_shape(
+    padded_head_dim: int, block_sparse: bool = False, local: bool = False, score_mod: bool = False
+) -> TcTileShape:
     """block_sparse: the tile of the block-sparse instantiation, which keeps its tile list's
     state in registers beside the dense kernel's. At d128 the dense tile has none to spare (it
     spills 16-24 bytes); (128, 32) is the fastest that fits (benchmarks/tune_sparse.py: 0.85x the
@@ -409,7 +431,9 @@ def tc_fwd_tile_shape(padded_head_dim: int, block_sparse: bool = False, local: b
     if padded_head_dim <= 128:
         return TcTileShape(128, 32 if block_sparse else 64, num_warps=4, min_blocks_per_sm=1)
     if padded_head_dim <= 224:
-        return TcTileShape(64, 64, num_warps=4, min_blocks_per_sm=1)
+        # The score-modifier kernel spills 32 bytes at d224 with 64 keys (sm_90a): 32.
+        block_n = 32 if score_mod and padded_head_dim > 192 else 64
+        return TcTileShape(64, block_n, num_warps=4, min_blocks_per_sm=1)
     # (64, 64, 4) is 11% faster at 256 but spills with causal; (64, 32, 4) fits and is slower.
     # The block-sparse local kernel takes (128, 32, 8): with 64 keys it spills 4 bytes at sm_90a.
     if block_sparse and local:
@@ -423,20 +447,27 @@ SMEM_A100 = 163 * 1024
 SMEM_H100 = 227 * 1024
 
 
-def tc_dkdv_tile_shape(padded_head_dim: int, large_smem: bool = False, block_sparse: bool = False) -> TcDkdvTileShape:
+def tc_dkdv_tile_shape(
+    padded_head_dim: int, large_smem: bool = False, block_sparse: bool = False, score_mod: bool = False
+) -> TcDkdvTileShape:
     """The dK/dV tile; large_smem: for a device with an H100's shared memory (dO double-buffered,
     and 64 queries per step above d192, dense only: the block-sparse kernel's tile list does not
-    fit beside it in registers), else one that fits an A100."""
+    fit beside it in registers), else one that fits an A100. score_mod: smaller tiles from d32 on
+    (the score modifiers' state and derivative do not fit beside the full tile in 255 registers:
+    4-124 bytes of spills at sm_90a): half the queries per step at d32-64 and d256, and 64 keys
+    per block at d96-128, where 32 queries per step still spill 12 bytes at sm_80."""
     do_buffers = 2 if large_smem else 1
     if padded_head_dim <= 16:  # too narrow to split the columns of dK, dV between two warps
         return TcDkdvTileShape(128, 128, num_warps=8, warps_q=1, do_buffers=1, out_split=1, min_blocks_per_sm=1)
     if padded_head_dim <= 64:
-        return TcDkdvTileShape(128, 128, num_warps=8, warps_q=2, do_buffers=do_buffers, out_split=1, min_blocks_per_sm=1)
+        block_m = 64 if score_mod else 128
+        return TcDkdvTileShape(block_m, 128, num_warps=8, warps_q=2, do_buffers=do_buffers, out_split=1, min_blocks_per_sm=1)
     if padded_head_dim <= 128:
-        return TcDkdvTileShape(64, 128, num_warps=8, warps_q=2, do_buffers=do_buffers, out_split=1, min_blocks_per_sm=1)
+        block_n = 64 if score_mod else 128
+        return TcDkdvTileShape(64, block_n, num_warps=8, warps_q=2, do_buffers=do_buffers, out_split=1, min_blocks_per_sm=1)
     if padded_head_dim <= 192:
         return TcDkdvTileShape(64, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=1, min_blocks_per_sm=1)
-    block_m = 64 if large_smem and not block_sparse else 32
+    block_m = 64 if large_smem and not (block_sparse or score_mod) else 32
     return TcDkdvTileShape(block_m, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=1, min_blocks_per_sm=1)
 
 
@@ -460,6 +491,7 @@ class _TcKernel(_TiledKernel):
     local: bool
     tile_override: TcTileShape | TcDkdvTileShape | TcBwdTileShape | None = None  # for tuning; None: the traits table
     block_sparse: bool = False
+    score_mod: bool = False
 
     @property
     def tile(self):
@@ -476,7 +508,7 @@ class TcFwdKernel(_TcKernel):
 
     @property
     def tile(self) -> TcTileShape:
-        return self.tile_override or tc_fwd_tile_shape(self.head_dim, self.block_sparse, self.local)
+        return self.tile_override or tc_fwd_tile_shape(self.head_dim, self.block_sparse, self.local, self.score_mod)
 
     @property
     def smem_bytes(self) -> int:
@@ -503,7 +535,7 @@ class TcBwdDkdvKernel(_TcKernel):
 
     @property
     def tile(self) -> TcDkdvTileShape:
-        return self.tile_override or tc_dkdv_tile_shape(self.head_dim, self.large_smem, self.block_sparse)
+        return self.tile_override or tc_dkdv_tile_shape(self.head_dim, self.large_smem, self.block_sparse, self.score_mod)
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and other.name_expression == self.name_expression
@@ -549,22 +581,23 @@ def uses_tensor_cores(dtype_name: str, compute_capability: int) -> bool:
 
 def all_tc_kernels() -> list:
     kernels = [
-        kind(dtype_name, d, local, block_sparse=sparse)
+        kind(dtype_name, d, local, block_sparse=sparse, score_mod=mod)
         for dtype_name in TENSOR_CORE_DTYPES
         for d in PADDED_HEAD_DIMS
-        for local in (False, True)
-        for sparse in (False, True)
+        for local, sparse, mod in _variants()
         for kind in (TcFwdKernel, TcBwdDkdvKernel, TcBwdDqKernel)
     ]
-    large = [TcBwdDkdvKernel(k.dtype_name, k.head_dim, k.local, large_smem=True, block_sparse=k.block_sparse)
+    large = [TcBwdDkdvKernel(k.dtype_name, k.head_dim, k.local, large_smem=True, block_sparse=k.block_sparse,
+                             score_mod=k.score_mod)
              for k in kernels if isinstance(k, TcBwdDkdvKernel)]
     return kernels + [k for k in large if k not in kernels]
 
 
-# The block mask's shape fields, at the end of both structs (zero for dense attention).
+# The block mask's shape fields, then the score modifiers', at the end of both structs (zero for
+# dense attention with no softcap or ALiBi).
 _MASK_FIELDS = [("mask_batch_stride", "i8"), ("mask_head_stride", "i8")] + [
     (name, "i4") for name in ("mask_q_blocks", "mask_k_blocks", "mask_block_q", "mask_block_k")
-]
+] + [("softcap_log2", "f8"), ("alibi_slopes", "u8"), ("alibi_batch_stride", "i8")]
 
 # The problem's int fields, after the pointers and strides of both structs.
 _SHAPE_FIELDS = ("heads", "seqlen_q", "seqlen_k", "head_dim", "kv_group", "band_first", "band_last")

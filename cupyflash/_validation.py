@@ -59,6 +59,14 @@ class AttentionProblem:
     block_mask: object = None  # a BlockMask for block-sparse attention (checked by check_block_mask)
     heads_kv: int = 0  # K/V heads (GQA/MQA: a divisor of heads); 0 is read as heads
     window: tuple | None = None  # (left, right), each an int >= 0 or None (unbounded); None: no window
+    softcap: float | None = None  # scores -> softcap·tanh(scores / softcap); None: no softcap
+    # ALiBi slopes, (batch or 1, heads), NumPy or CuPy as given (checked by check_alibi_slopes); None: none
+    alibi_slopes: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def score_mod(self) -> bool:
+        """Whether the scores are modified (softcap, ALiBi): the kernels' score_mod instantiation."""
+        return self.softcap is not None or self.alibi_slopes is not None
 
     @property
     def kv_group(self) -> int:
@@ -94,9 +102,10 @@ class AttentionProblem:
         return self.seqlen_k - self.seqlen_q - left, self.seqlen_k - self.seqlen_q + right
 
 
-def check_attention_args(q, k, v, *, causal, scale, return_lse, window=None) -> AttentionProblem:
+def check_attention_args(q, k, v, *, causal, scale, return_lse, window=None, softcap=None) -> AttentionProblem:
     """Validates q, k, v (NumPy or CuPy arrays, already on one side) and the options. k and v may
-    have fewer heads than q (GQA/MQA) when their number divides q's."""
+    have fewer heads than q (GQA/MQA) when their number divides q's. ALiBi slopes are checked
+    apart (`check_alibi_slopes`), as they may live elsewhere."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             seq = "seqlen_q" if name == "q" else "seqlen_k"
@@ -135,10 +144,12 @@ def check_attention_args(q, k, v, *, causal, scale, return_lse, window=None) -> 
         raise ValueError(f"seqlen_q and seqlen_k must be at most {_MAX_SEQLEN}, got {seqlen_q} and {seqlen_k}")
     causal = check_flag(causal, "causal")
     window = check_window(window)
-    if (causal or window is not None) and seqlen_q + seqlen_k > _MAX_SEQLEN:
+    softcap = check_softcap(softcap)
+    if (causal or window is not None or softcap is not None) and seqlen_q + seqlen_k > _MAX_SEQLEN:
         # The kernels' band arithmetic (i + seqlen_k - seqlen_q + right) is in int32.
         raise ValueError(
-            f"with causal or a window, seqlen_q + seqlen_k must be at most {_MAX_SEQLEN}, got {seqlen_q + seqlen_k}"
+            f"with causal, a window or a softcap, seqlen_q + seqlen_k must be at most {_MAX_SEQLEN}, got "
+            f"{seqlen_q + seqlen_k}"
         )
 
     return AttentionProblem(
@@ -153,7 +164,46 @@ def check_attention_args(q, k, v, *, causal, scale, return_lse, window=None) -> 
         return_lse=check_flag(return_lse, "return_lse"),
         heads_kv=heads_kv,
         window=window,
+        softcap=softcap,
     )
+
+
+def check_softcap(softcap) -> float | None:
+    """softcap: None or 0 (flash-attn's spelling) for none, else a finite positive real number."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, numpy.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number or None, got {softcap!r}")
+    softcap = float(softcap)
+    if softcap == 0.0:
+        return None
+    if not math.isfinite(softcap) or softcap < 0.0:
+        raise ValueError(f"softcap must be finite and positive (or 0 / None for none), got {softcap}")
+    return softcap
+
+
+def check_alibi_slopes(slopes, problem: AttentionProblem) -> AttentionProblem:
+    """The problem with ALiBi slopes: an array of real floats shaped (heads,) or (batch or 1,
+    heads), kept as a (batch or 1, heads) view. NumPy values are checked (finite); device values
+    are not read back. Where the array lives is the caller's check."""
+    if slopes is None:
+        return problem
+    if not hasattr(slopes, "dtype") or not hasattr(slopes, "shape"):
+        raise TypeError(f"alibi_slopes must be an array of shape (heads,) or (batch, heads), got {type(slopes).__name__}")
+    dtype = numpy.dtype(slopes.dtype)
+    if dtype.kind != "f" and not (BFLOAT16 is not None and dtype == BFLOAT16):
+        raise TypeError(f"alibi_slopes must have a floating dtype, got {dtype}")
+    heads, batch = problem.heads, problem.batch
+    shape = tuple(slopes.shape)
+    if shape == (heads,):
+        slopes = slopes.reshape(1, heads)
+    elif len(shape) != 2 or shape[1] != heads or shape[0] not in (1, batch):
+        raise ValueError(
+            f"alibi_slopes must have shape (heads,) = ({heads},) or (batch or 1, heads) = ({batch}, {heads}), got {shape}"
+        )
+    if isinstance(slopes, numpy.ndarray) and not numpy.isfinite(slopes.astype(numpy.float64)).all():
+        raise ValueError("alibi_slopes must be finite")
+    return dataclasses.replace(problem, alibi_slopes=slopes)
 
 
 def check_window(window) -> tuple | None:
@@ -185,9 +235,11 @@ def lse_dtype(dtype_name_: str) -> numpy.dtype:
     return numpy.dtype(numpy.float64 if dtype_name_ == "float64" else numpy.float32)
 
 
-def check_backward_args(dout, q, k, v, out, lse, *, causal, scale, deterministic, window=None) -> AttentionProblem:
+def check_backward_args(
+    dout, q, k, v, out, lse, *, causal, scale, deterministic, window=None, softcap=None
+) -> AttentionProblem:
     """Validates the arguments of attention_backward (NumPy or CuPy arrays, already on one side)."""
-    problem = check_attention_args(q, k, v, causal=causal, scale=scale, return_lse=False, window=window)
+    problem = check_attention_args(q, k, v, causal=causal, scale=scale, return_lse=False, window=window, softcap=softcap)
     for name, x in (("dout", dout), ("out", out)):
         if tuple(x.shape) != tuple(q.shape):
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")

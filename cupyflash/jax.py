@@ -14,10 +14,12 @@ runs instead. Importing this module imports jax, which cupyflash does not otherw
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy
 
 from cupyflash import _arrays, _attention, _validation, reference
@@ -32,29 +34,38 @@ except ImportError as e:  # pragma: no cover - depends on the JAX version
 __all__ = ["attention"]
 
 
-def attention(q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None):
-    """`cupyflash.attention(q, k, v, causal=causal, scale=scale, window=window)` for JAX arrays
-    (k, v with fewer heads for GQA/MQA), differentiable through `cupyflash.attention_backward`.
-    `deterministic=True` makes the gradients bitwise reproducible. With a `cupyflash.BlockMask`
-    as block_mask, `cupyflash.block_sparse_attention` and its backward (the mask and the window
-    are static arguments, like causal). Returns out only; arguments are checked when the call is
-    traced."""
+def attention(
+    q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None, softcap=None,
+    alibi_slopes=None,
+):
+    """`cupyflash.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+    alibi_slopes=alibi_slopes)` for JAX arrays (k, v with fewer heads for GQA/MQA),
+    differentiable through `cupyflash.attention_backward`. `deterministic=True` makes the
+    gradients bitwise reproducible. With a `cupyflash.BlockMask` as block_mask,
+    `cupyflash.block_sparse_attention` and its backward (the mask, the window and the softcap
+    are static arguments, like causal; the ALiBi slopes are an array, which gets a zero
+    gradient). Returns out only; arguments are checked when the call is traced."""
     window = None if window is None else tuple(window)  # hashable, as a static argument must be
-    return _attention_vjp(q, k, v, bool(causal), scale, bool(deterministic), block_mask, window)
+    if alibi_slopes is not None:  # in the kernels' accumulator type, as (batch or 1, heads)
+        alibi_slopes = jnp.asarray(alibi_slopes, _validation.lse_dtype(_validation.dtype_name(q.dtype, "q")))
+        alibi_slopes = alibi_slopes.reshape(1, -1) if alibi_slopes.ndim == 1 else alibi_slopes
+    return _attention_vjp(q, k, v, alibi_slopes, bool(causal), scale, bool(deterministic), block_mask, window, softcap)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _attention_vjp(q, k, v, causal, scale, deterministic, block_mask, window):
-    return _forward(q, k, v, causal, scale, block_mask, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _attention_vjp(q, k, v, slopes, causal, scale, deterministic, block_mask, window, softcap):
+    return _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap)[0]
 
 
-def _attention_fwd(q, k, v, causal, scale, deterministic, block_mask, window):
-    out, lse = _forward(q, k, v, causal, scale, block_mask, window)
-    return out, (q, k, v, out, lse)
+def _attention_fwd(q, k, v, slopes, causal, scale, deterministic, block_mask, window, softcap):
+    out, lse = _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap)
+    return out, (q, k, v, slopes, out, lse)
 
 
-def _attention_bwd(causal, scale, deterministic, block_mask, window, residuals, dout):
-    return _backward(dout, *residuals, causal, scale, deterministic, block_mask, window)
+def _attention_bwd(causal, scale, deterministic, block_mask, window, softcap, residuals, dout):
+    q, k, v, slopes, out, lse = residuals
+    grads = _backward(dout, q, k, v, slopes, out, lse, causal, scale, deterministic, block_mask, window, softcap)
+    return (*grads, None if slopes is None else jnp.zeros_like(slopes))
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
@@ -76,10 +87,20 @@ class _Spec:
         self.strides = tuple(reversed(strides))
 
 
-def _forward(q, k, v, causal, scale, block_mask, window):
+def _with_slopes(p, slopes, buffers):
+    """The problem with the ALiBi slopes' buffer (the callback's last input) in place of its spec."""
+    if slopes is None:
+        return p
+    buffer = buffers[-1]
+    value = _as_cupy(buffer, slopes.dtype) if _on_gpu(buffer) else numpy.asarray(buffer)
+    return dataclasses.replace(p, alibi_slopes=value)
+
+
+def _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap):
     p = _validation.check_attention_args(
-        *map(_Spec, (q, k, v)), causal=causal, scale=scale, return_lse=True, window=window
+        *map(_Spec, (q, k, v)), causal=causal, scale=scale, return_lse=True, window=window, softcap=softcap
     )
+    p = _validation.check_alibi_slopes(None if slopes is None else _Spec(slopes), p)
     if block_mask is not None:
         p = _validation.check_block_mask(block_mask, p)
     result = (
@@ -87,12 +108,13 @@ def _forward(q, k, v, causal, scale, block_mask, window):
         jax.ShapeDtypeStruct((p.batch, p.heads, p.seqlen_q), _validation.lse_dtype(p.dtype_name)),
     )
 
-    def run(ctx, outs, q, k, v):
+    def run(ctx, outs, q, k, v, *rest):
         out, lse = outs
+        run_p = _with_slopes(p, slopes, rest)
         if not _on_gpu(q):
             o, l = reference.tiled_attention(
                 *map(numpy.asarray, (q, k, v)), causal=p.causal, scale=p.scale, return_lse=True,
-                block_mask=p.block_mask, window=p.window,
+                block_mask=p.block_mask, window=p.window, **_attention._score_mod_options(run_p),
             )
             numpy.asarray(out)[...] = o.astype(out.dtype)
             numpy.asarray(lse)[...] = l.astype(lse.dtype)
@@ -100,36 +122,39 @@ def _forward(q, k, v, causal, scale, block_mask, window):
         with _on_xla_stream(ctx, q):
             arrays = [_as_cupy(x, d.dtype) for x, d in zip((q, k, v, out, lse), (*given, *result))]
             if arrays[3].size:
-                _attention.launch_forward(*arrays, p)
+                _attention.launch_forward(*arrays, run_p)
 
     given = (q, k, v)
-    return buffer_callback(run, result)(q, k, v)
+    return buffer_callback(run, result)(q, k, v, *([] if slopes is None else [slopes]))
 
 
-def _backward(dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window):
+def _backward(dout, q, k, v, slopes, out, lse, causal, scale, deterministic, block_mask, window, softcap):
     p = _validation.check_backward_args(
         *map(_Spec, (dout, q, k, v, out, lse)), causal=causal, scale=scale, deterministic=deterministic,
-        window=window,
+        window=window, softcap=softcap,
     )
+    p = _validation.check_alibi_slopes(None if slopes is None else _Spec(slopes), p)
     if block_mask is not None:
         p = _validation.check_block_mask(block_mask, p)
     result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
 
-    def run(ctx, grads, dout, q, k, v, out, lse):
+    def run(ctx, grads, dout, q, k, v, out, lse, *rest):
+        run_p = _with_slopes(p, slopes, rest)
         if not _on_gpu(q):
             inputs = map(numpy.asarray, (dout, q, k, v, out, lse))
             values = reference.tiled_attention_backward(
-                *inputs, causal=p.causal, scale=p.scale, block_mask=p.block_mask, window=p.window
+                *inputs, causal=p.causal, scale=p.scale, block_mask=p.block_mask, window=p.window,
+                **_attention._score_mod_options(run_p),
             )
             for g, value in zip(grads, values):
                 numpy.asarray(g)[...] = value.astype(g.dtype)
             return
         with _on_xla_stream(ctx, q):
             arrays = [_as_cupy(x, d.dtype) for x, d in zip((dout, q, k, v, out, lse, *grads), (*given, *result))]
-            _attention.launch_backward(*arrays, p)
+            _attention.launch_backward(*arrays, run_p)
 
     given = (dout, q, k, v, out, lse)
-    return buffer_callback(run, result)(dout, q, k, v, out, lse)
+    return buffer_callback(run, result)(dout, q, k, v, out, lse, *([] if slopes is None else [slopes]))
 
 
 def _on_gpu(buffer) -> bool:

@@ -31,12 +31,15 @@ def _as_float64(x):
     return numpy.asarray(x).astype(numpy.float64)
 
 
-def _prepare(q, k, v, causal, scale, return_lse, block_mask=None, window=None):
-    """The validated problem and q, k, v in float64, k and v repeated to q's heads (GQA/MQA)."""
+def _prepare(q, k, v, causal, scale, return_lse, block_mask=None, window=None, softcap=None, alibi_slopes=None):
+    """The validated problem and q, k, v in float64, k and v repeated to q's heads (GQA/MQA);
+    ALiBi slopes, if any, as float64 NumPy in the problem."""
     q, k, v = (x if hasattr(x, "ndim") else numpy.asarray(x) for x in (q, k, v))
     problem = _validation.check_attention_args(
-        q, k, v, causal=causal, scale=scale, return_lse=return_lse, window=window
+        q, k, v, causal=causal, scale=scale, return_lse=return_lse, window=window, softcap=softcap
     )
+    if alibi_slopes is not None:
+        problem = _validation.check_alibi_slopes(_as_float64(alibi_slopes), problem)
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem, for_kernels=False)
     k, v = (numpy.repeat(_as_float64(x), problem.kv_group, axis=2) for x in (k, v))
@@ -87,25 +90,53 @@ def _band_tile(seqlen_q, seqlen_k, left, right, row0, rows, col0, cols):
     return hidden
 
 
+def _modify_scores(scores, p, compute, row0=0, col0=0, bs=slice(None), hs=slice(None), unit=1.0):
+    """Softcap, then ALiBi, on scaled scores (batch, heads, rows, cols) of queries from row0 and
+    keys from col0 (bs, hs: the batch entries and heads they belong to), in `compute` precision;
+    unit = log2(e) for scores in log2 units. Returns (scores, derivative): the derivative of the
+    modified score in the plain one (1 - tanh^2), or None without a softcap. Masked (-inf)
+    scores must be masked again afterwards."""
+    derivative = None
+    if p.softcap is not None:
+        cap = compute(p.softcap * unit)
+        t = numpy.tanh(scores / cap)
+        derivative = 1 - t * t
+        scores = cap * t
+    if p.alibi_slopes is not None:
+        rows, cols = scores.shape[-2:]
+        i = numpy.arange(row0, row0 + rows)[:, None] + (p.seqlen_k - p.seqlen_q)
+        j = numpy.arange(col0, col0 + cols)[None, :]
+        slopes = numpy.broadcast_to(p.alibi_slopes, (p.batch, p.heads))[bs, hs].astype(compute) * compute(unit)
+        scores = scores - slopes[:, :, None, None] * numpy.abs(i - j).astype(compute)
+    return scores, derivative
+
+
 def _band_cuts(p, row0, rows, col0, cols) -> bool:
     """The kernels' Band::cuts: whether an edge of the band runs through the tile."""
     first, last = p.kernel_band()
     return col0 + cols - 1 > row0 + last or col0 < row0 + rows - 1 + first
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_mask=None, window=None):
+def attention(
+    q, k, v, *, causal=False, scale=None, return_lse=False, block_mask=None, window=None, softcap=None,
+    alibi_slopes=None,
+):
     """Exact attention in float64, materialising the scores. Semantics of `cupyflash.attention`
-    (with block_mask, of `cupyflash.block_sparse_attention`), GQA/MQA and window included."""
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window)
+    (with block_mask, of `cupyflash.block_sparse_attention`), GQA/MQA, window, softcap and
+    ALiBi included."""
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes)
     out, lse = _materialised_attention(q, k, v, p, numpy.float64, None)
     return (out, lse) if p.return_lse else out
 
 
-def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, return_lse=False, window=None):
+def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, return_lse=False, window=None, **mods):
     """Block-sparse attention in float64: `attention` with the block mask expanded to an element
     mask (keys of zero blocks hidden, as causal hides keys). Semantics of
-    `cupyflash.block_sparse_attention`: a row that sees no key gives out 0 and lse -inf."""
-    return attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse, block_mask=block_mask, window=window)
+    `cupyflash.block_sparse_attention`: a row that sees no key gives out 0 and lse -inf. mods:
+    softcap, alibi_slopes."""
+    return attention(
+        q, k, v, causal=causal, scale=scale, return_lse=return_lse, block_mask=block_mask, window=window, **mods
+    )
 
 
 def attention_decode(
@@ -136,7 +167,8 @@ def attention_decode(
 
 
 def attention_in_precision(
-    q, k, v, dtype, *, causal=False, scale=None, return_lse=False, block_mask=None, window=None
+    q, k, v, dtype, *, causal=False, scale=None, return_lse=False, block_mask=None, window=None, softcap=None,
+    alibi_slopes=None,
 ):
     """Standard attention done in `dtype`'s precision: the baseline that sets test tolerances.
 
@@ -144,7 +176,7 @@ def attention_in_precision(
     (as tensor-core matmuls and a float32 softmax) with the scores, the probabilities and the
     output rounded to `dtype`, as a framework's 16-bit standard attention does. Returns float64.
     """
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window)
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes)
     name = _validation.dtype_name(dtype, "dtype")
     compute = numpy.float64 if name == "float64" else numpy.float32
     rounding = numpy.dtype(dtype) if name in ("float16", "bfloat16") else None
@@ -181,18 +213,24 @@ def noise_floor(dtype_name: str) -> float:
 
 
 def _materialised_attention(q, k, v, p, compute, rounding):
-    out, lse, _ = _materialised_forward(q, k, v, p, compute, rounding)
+    out, lse, _, _ = _materialised_forward(q, k, v, p, compute, rounding)
     return out.transpose(0, 2, 1, 3).astype(numpy.float64), lse[..., 0].astype(numpy.float64)
 
 
 def _materialised_forward(q, k, v, p, compute, rounding):
-    """(out, lse, probs) in (batch, heads, seq, ...) layout, in `compute` precision."""
+    """(out, lse, probs, derivative) in (batch, heads, seq, ...) layout, in `compute` precision;
+    derivative: the score modifiers' (`_modify_scores`), None without a softcap."""
 
     def rounded(x):
         return x if rounding is None else x.astype(rounding).astype(compute)
 
     qh, kh, vh = (x.astype(compute).transpose(0, 2, 1, 3) for x in (q, k, v))  # (b, h, seq, d)
     scores = rounded(qh @ kh.transpose(0, 1, 3, 2)) * compute(p.scale)
+    if p.score_mod:  # a framework's softcapped, biased scores: a tensor of the dtype again
+        scores, derivative = _modify_scores(scores, p, compute)
+        scores = rounded(scores)
+    else:
+        derivative = None
     hidden = _hidden(p)
     if hidden is not None:
         scores = numpy.where(hidden, compute(-numpy.inf), scores)
@@ -204,38 +242,43 @@ def _materialised_forward(q, k, v, p, compute, rounding):
     out = rounded(probs @ vh)
     with numpy.errstate(divide="ignore"):
         lse = numpy.where(l > 0, m_safe + numpy.log(l), -numpy.inf)
-    return out, lse, probs
+    return out, lse, probs, derivative
 
 
 # --------------------------------------------------------------------------- backward
 
 
-def attention_backward(dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None):
+def attention_backward(
+    dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None
+):
     """Exact gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), in float64.
 
     With S = scale Q K^T, P = softmax(S) (masked entries 0) and O = P V:
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),  dQ = scale dS K,  dK = scale dS^T Q.
+    A softcap multiplies dS by its derivative 1 - tanh^2; ALiBi's bias has no effect on it.
     Materialises P; arguments as `attention`, dout with q's shape. Returns float64 arrays with
     the shapes of q, k, v (GQA/MQA: dk, dv summed over each K/V head's group of query heads).
     """
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes)
     return _materialised_backward(dout, q, k, v, p, numpy.float64, None)
 
 
-def block_sparse_attention_backward(dout, q, k, v, block_mask, *, causal=False, scale=None, window=None):
+def block_sparse_attention_backward(dout, q, k, v, block_mask, *, causal=False, scale=None, window=None, **mods):
     """Exact gradients (dq, dk, dv) of `block_sparse_attention`, in float64 (`attention_backward`
     with the block mask expanded to elements)."""
-    return attention_backward(dout, q, k, v, causal=causal, scale=scale, block_mask=block_mask, window=window)
+    return attention_backward(dout, q, k, v, causal=causal, scale=scale, block_mask=block_mask, window=window, **mods)
 
 
-def output_term_magnitude(q, k, v, *, causal=False, scale=None, block_mask=None, window=None) -> float:
+def output_term_magnitude(
+    q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None
+) -> float:
     """For `error_bound`: the size an output's rounding noise follows. out_i = sum_j P_ij v_j with
     P_ij = exp(s_ij - lse_i), and a float type resolves an exponent of size |s| only to about
     |s|·eps, a relative error every P_ij carries into the sum: max|v| · max(1, max|s_ij|) over the
-    visible scores s = scale·q k^T. Arguments as `attention`."""
-    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window)
+    visible scores s = scale·q k^T (softcapped, ALiBi-biased). Arguments as `attention`."""
+    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window, softcap, alibi_slopes)
     qh, kh = (x.transpose(0, 2, 1, 3) for x in (q, k))
-    s = numpy.abs(qh @ kh.transpose(0, 1, 3, 2)) * p.scale
+    s = numpy.abs(_modify_scores((qh @ kh.transpose(0, 1, 3, 2)) * p.scale, p, numpy.float64)[0])
     hidden = _hidden(p)
     if hidden is not None:
         s = numpy.where(hidden, 0.0, s)
@@ -243,7 +286,7 @@ def output_term_magnitude(q, k, v, *, causal=False, scale=None, block_mask=None,
 
 
 def gradient_term_magnitudes(
-    dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None
+    dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None
 ) -> tuple[float, float, float]:
     """For `error_bound`: the size of the largest terms summed into dq, dk and dv.
 
@@ -254,8 +297,8 @@ def gradient_term_magnitudes(
     dv_j = sum_i P_ij dO_i: max|dO| times the largest column sum of P
     (GQA/MQA: column sums over each K/V head's group of query heads).
     Arguments as `attention_backward`; computed in float64 from the materialised P."""
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window)
-    out, _, probs = _materialised_forward(q, k, v, p, numpy.float64, None)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes)
+    out, _, probs, _ = _materialised_forward(q, k, v, p, numpy.float64, None)
     doh, vh = (x.transpose(0, 2, 1, 3) for x in (dout, v))
     dp = numpy.abs(doh @ vh.transpose(0, 1, 3, 2))
     d = numpy.abs((doh * out).sum(axis=-1, keepdims=True))
@@ -268,22 +311,22 @@ def gradient_term_magnitudes(
 
 
 def attention_backward_in_precision(
-    dout, q, k, v, dtype, *, causal=False, scale=None, block_mask=None, window=None
+    dout, q, k, v, dtype, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None
 ):
     """Standard attention's backward done in `dtype`'s precision (the tolerance baseline):
     float32/float64 in their own precision; for 16-bit dtypes float32 arithmetic with S, P, O,
     dP, dS and the gradients rounded to `dtype`, as a framework's autograd of 16-bit standard
     attention does (GQA/MQA: each query head's dk, dv rounded, then summed over the group).
     Returns float64."""
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes)
     name = _validation.dtype_name(dtype, "dtype")
     compute = numpy.float64 if name == "float64" else numpy.float32
     rounding = numpy.dtype(dtype) if name in ("float16", "bfloat16") else None
     return _materialised_backward(dout, q, k, v, p, compute, rounding)
 
 
-def _prepare_backward(dout, q, k, v, causal, scale, block_mask=None, window=None):
-    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window)
+def _prepare_backward(dout, q, k, v, causal, scale, block_mask=None, window=None, softcap=None, alibi_slopes=None):
+    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window, softcap, alibi_slopes)
     dout = _as_float64(dout)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
@@ -294,7 +337,7 @@ def _materialised_backward(dout, q, k, v, p, compute, rounding):
     def rounded(x):
         return x if rounding is None else x.astype(rounding).astype(compute)
 
-    out, _, probs = _materialised_forward(q, k, v, p, compute, rounding)
+    out, _, probs, derivative = _materialised_forward(q, k, v, p, compute, rounding)
     qh, kh, vh, doh = (x.astype(compute).transpose(0, 2, 1, 3) for x in (q, k, v, dout))
     scale = compute(p.scale)
     dv = rounded(probs.transpose(0, 1, 3, 2) @ doh)
@@ -303,7 +346,8 @@ def _materialised_backward(dout, q, k, v, p, compute, rounding):
     # rowsum(dO * O) (O as stored), and so does this baseline: the two round differently, and
     # with one visible key dP - D cancels exactly in the first form only.
     d = (doh * out).sum(axis=-1, keepdims=True)
-    ds = rounded(probs * (dp - d))
+    ds = probs * (dp - d)
+    ds = rounded(ds if derivative is None else ds * derivative)
     dq = rounded(ds @ kh) * scale
     dk = rounded(ds.transpose(0, 1, 3, 2) @ qh) * scale
     dq, dk, dv = (rounded(x).transpose(0, 2, 1, 3) for x in (dq, dk, dv))
@@ -313,16 +357,17 @@ def _materialised_backward(dout, q, k, v, p, compute, rounding):
 
 
 def tiled_attention(
-    q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None, block_mask=None, window=None
+    q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None, block_mask=None, window=None,
+    softcap=None, alibi_slopes=None,
 ):
     """FlashAttention-2's forward, block by block, as the GPU kernel schedules it (float64).
 
     block_m, block_n default to the kernel's tile for this dtype and head dim (with a block mask,
     cut to divide its block size). With block_mask (block-sparse FlashAttention, Algorithm 5), a
     query block visits only the key blocks its mask row lists, in the kernels' order. With causal or
-    a window, only the key blocks in its band.
+    a window, only the key blocks in its band. softcap and alibi_slopes modify each tile's scores.
     """
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window)
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes)
     tile = _instantiations.tile_shape(p.dtype_name, _instantiations.padded_head_dim(p.head_dim))
     block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
     sq, sk = p.seqlen_q, p.seqlen_k
@@ -341,6 +386,7 @@ def tiled_attention(
                 col0 = n_block * block_n
                 cols = min(block_n, sk - col0)
                 s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i, k[bs, col0 : col0 + cols, hs])
+                s_ij, _ = _modify_scores(s_ij, p, numpy.float64, row0, col0, bs, hs, LOG2E)
                 # Like the kernel, mask only tiles an edge of the band cuts through (a slice needs
                 # no seqlen_k mask: it holds no key past the end).
                 if p.local and _band_cuts(p, row0, rows, col0, cols):
@@ -440,7 +486,8 @@ def query_tiles(p, slab, col0: int, cols: int, block_m: int) -> list[int]:
 
 
 def tiled_attention_backward(
-    dout, q, k, v, out, lse, *, causal=False, scale=None, block_m=None, block_n=None, block_mask=None, window=None
+    dout, q, k, v, out, lse, *, causal=False, scale=None, block_m=None, block_n=None, block_mask=None, window=None,
+    softcap=None, alibi_slopes=None,
 ):
     """FlashAttention-2's backward (Algorithm 2) in float64, block by block as the dK/dV kernel
     schedules it: an outer loop over key blocks holding dK_j, dV_j, an inner loop over the query
@@ -452,7 +499,7 @@ def tiled_attention_backward(
     (query rows per step) and block_n (keys per block) default to the kernel's tile. Returns
     float64 (dq, dk, dv).
     """
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes)
     out, lse = _as_float64(out), _as_float64(lse)
     tile = _instantiations.dkdv_tile_shape(p.dtype_name, _instantiations.padded_head_dim(p.head_dim))
     block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
@@ -478,12 +525,15 @@ def tiled_attention_backward(
                 rows = min(block_m, sq - row0)
                 q_i, do_i = q[bs, row0 : row0 + rows, hs], dout[bs, row0 : row0 + rows, hs]
                 s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i * scale_log2, k_j)  # Q_i prescaled, as in the forward
+                s_ij, derivative = _modify_scores(s_ij, p, numpy.float64, row0, col0, bs, hs, LOG2E)
                 if p.local and _band_cuts(p, row0, rows, col0, cols):
                     s_ij[..., _tile_hidden(p, row0, rows, col0, cols)] = -numpy.inf
                 p_ij = numpy.exp2(s_ij - lse_log2[bs, hs, row0 : row0 + rows])
                 dv_j += numpy.einsum("bhqk,bqhd->bkhd", p_ij, do_i)
                 dp_ij = numpy.einsum("bqhd,bkhd->bhqk", do_i, v_j)
                 ds_ij = p_ij * (dp_ij - d[bs, hs, row0 : row0 + rows])
+                if derivative is not None:
+                    ds_ij *= derivative
                 dk_j += numpy.einsum("bhqk,bqhd->bkhd", ds_ij, q_i)
                 dq[bs, row0 : row0 + rows, hs] += p.scale * numpy.einsum("bhqk,bkhd->bqhd", ds_ij, k_j)
             dk[bs, col0 : col0 + cols, hs] = p.scale * dk_j

@@ -22,13 +22,17 @@ from cupyflash import _arrays, _attention
 __all__ = ["attention", "FlashAttentionFunction"]
 
 
-def attention(q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None):
-    """`cupyflash.attention(q, k, v, causal=causal, scale=scale, window=window)` for torch
-    tensors (k, v with fewer heads for GQA/MQA), with a backward pass
-    (`cupyflash.attention_backward`) for autograd. `deterministic=True` makes the gradients
-    bitwise reproducible (see attention_backward). With a `cupyflash.BlockMask` as block_mask,
-    `cupyflash.block_sparse_attention` and its backward. Returns out only."""
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, block_mask, window)
+def attention(
+    q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None, softcap=None,
+    alibi_slopes=None,
+):
+    """`cupyflash.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+    alibi_slopes=alibi_slopes)` for torch tensors (k, v with fewer heads for GQA/MQA), with a
+    backward pass (`cupyflash.attention_backward`) for autograd. `deterministic=True` makes the
+    gradients bitwise reproducible (see attention_backward). With a `cupyflash.BlockMask` as
+    block_mask, `cupyflash.block_sparse_attention` and its backward. The ALiBi slopes (a tensor
+    or array) get no gradient. Returns out only."""
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, block_mask, window, softcap, alibi_slopes)
 
 
 def _on_torch_stream(x):
@@ -49,13 +53,15 @@ class FlashAttentionFunction(torch.autograd.Function):
     Backward: cupyflash.attention_backward, recomputing the attention matrix tile by tile."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, deterministic, block_mask=None, window=None):
+    def forward(ctx, q, k, v, causal, scale, deterministic, block_mask=None, window=None, softcap=None, alibi_slopes=None):
         # DLPack refuses tensors that require grad; the kernels only read them.
         q, k, v = (x.detach() for x in (q, k, v))
+        if isinstance(alibi_slopes, torch.Tensor):
+            alibi_slopes = alibi_slopes.detach()
         with _on_torch_stream(q):
-            out, lse = _attention._attention(q, k, v, causal, scale, True, block_mask, window)
+            out, lse = _attention._attention(q, k, v, causal, scale, True, block_mask, window, softcap, alibi_slopes)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = (causal, scale, deterministic, block_mask, window)
+        ctx.options = (causal, scale, deterministic, block_mask, window, softcap, alibi_slopes)
         return out
 
     @staticmethod
@@ -66,4 +72,4 @@ class FlashAttentionFunction(torch.autograd.Function):
             dout = dout.contiguous()
         with _on_torch_stream(q):
             dq, dk, dv = _attention._attention_backward(dout, q, k, v, out, lse, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None

@@ -49,7 +49,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kerne
 // Grid: (ceil(seqlen_k / kBlockN), K/V heads, batch). Block: Bt::kNThreads. Shared memory: Bt::kSmemBytes.
 // With GQA/MQA the block walks the query blocks of every query head of its K/V head's group in
 // turn, so dK_j, dV_j sum over the group on chip, in a fixed order, with no K/V copy.
-template <typename Bt, bool kIsLocal, bool kIsBlockSparse>
+// kScoreMod: softcap and ALiBi, as in the forward (instantiated with kIsLocal only).
+template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_dkdv_kernel(const BwdParams params) {
     using G = typename Bt::KeyGrid;     // keys x queries, keys x head dim
     using QG = typename Bt::QueryGrid;  // queries x head dim
@@ -98,6 +99,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
         const long long vec_offset = row_vector_offset(params, batch_idx, head_idx);
         const Accum* lse_log2 = static_cast<const Accum*>(params.lse_log2) + vec_offset;
         const Accum* d = static_cast<const Accum*>(params.d) + vec_offset;
+        const auto mod = score_mod<kScoreMod, Accum>(params, batch_idx, head_idx);
         // Query blocks outside this key block's band (causal: those before its diagonal) see nothing
         // of it and are skipped, as are those a block mask leaves out.
         const auto query_blocks =
@@ -121,8 +123,10 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
             }
             __syncthreads();  // Q_i, dO_i, lse_i, D_i (and, first time round, K_j, V_j) are in shared memory
 
-            // P_ij^T = exp(S_ij^T - lse_i), in base 2 (Algorithm 2, lines 9-10).
+            // P_ij^T = exp(S_ij^T - lse_i), in base 2 (Algorithm 2, lines 9-10). kScoreMod: of the
+            // modified scores, keeping the modifier's derivative dx for dS.
             Accum Pt[G::kRowsPerThread][G::kSColsPerThread];
+            Accum dx[G::kRowsPerThread][G::kSColsPerThread];
             compute_scores<G>(Pt, sK, sQ, ty, tx);
             if (keys_valid < Bt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid))) {
                 apply_mask_transposed<G, kIsLocal>(Pt, col0, row0, params, ty, tx);
@@ -130,17 +134,23 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
 #pragma unroll
             for (int i = 0; i < G::kRowsPerThread; ++i)
 #pragma unroll
-                for (int jm = 0; jm < G::kSColsPerThread; ++jm)
+                for (int jm = 0; jm < G::kSColsPerThread; ++jm) {
+                    if constexpr (kScoreMod)
+                        Pt[i][jm] = mod.template apply<false>(Pt[i][jm], row0 + tx + jm * G::kColGroups,
+                                                              col0 + ty * G::kRowsPerThread + i, dx[i][jm]);
                     Pt[i][jm] = exp2_(Pt[i][jm] - sLse2[tx + jm * G::kColGroups]);
+                }
 
-            // dP_ij^T = V_j dO_i^T, then dS_ij^T = P_ij^T ∘ (dP_ij^T - D_i) (lines 12-14).
+            // dP_ij^T = V_j dO_i^T, then dS_ij^T = P_ij^T ∘ (dP_ij^T - D_i) (lines 12-14), ∘ dx.
             Accum dSt[G::kRowsPerThread][G::kSColsPerThread];
             compute_scores<G>(dSt, sV, sdO, ty, tx);
 #pragma unroll
             for (int i = 0; i < G::kRowsPerThread; ++i)
 #pragma unroll
-                for (int jm = 0; jm < G::kSColsPerThread; ++jm)
+                for (int jm = 0; jm < G::kSColsPerThread; ++jm) {
                     dSt[i][jm] = Pt[i][jm] * (dSt[i][jm] - sD[tx + jm * G::kColGroups]);
+                    if constexpr (kScoreMod) dSt[i][jm] *= dx[i][jm];
+                }
 
             store_P<G>(sPt, Pt, ty, tx);
             store_P<G>(sdSt, dSt, ty, tx);
@@ -179,7 +189,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Dt::kNThreads. Shared memory: Dt::kSmemBytes.
 // The forward's loop with dQ_i = scale · sum_j dS_ij K_j in place of O_i = sum_j P_ij V_j: each dQ_i
 // is summed by one thread block in a fixed order, so the result is the same bits every run.
-template <typename Dt, bool kIsLocal, bool kIsBlockSparse>
+template <typename Dt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
 __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_kernel(const BwdParams params) {
     using Accum = typename Dt::Accum;
     using Storage = typename Dt::Storage;
@@ -227,6 +237,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
 
     Accum dQ[Dt::kRowsPerThread][Dt::kOColsPerThread];
     zero_tile<Dt>(dQ);
+    const auto mod = score_mod<kScoreMod, Accum>(params, batch_idx, head_idx);
     for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
         const int col0 = key_blocks[t] * Dt::kBlockN;
         const int keys_valid = min(Dt::kBlockN, params.seqlen_k - col0);
@@ -248,8 +259,15 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
         for (int i = 0; i < Dt::kRowsPerThread; ++i)
 #pragma unroll
             for (int jn = 0; jn < Dt::kSColsPerThread; ++jn) {
-                P[i][jn] = exp2_(P[i][jn] - lse2[i]);
-                dS[i][jn] = P[i][jn] * (dS[i][jn] - D[i]);
+                if constexpr (kScoreMod) {  // P_ij of the modified score; dS_ij times its derivative
+                    Accum dx;
+                    P[i][jn] = exp2_(mod.template apply<false>(P[i][jn], row0 + ty * Dt::kRowsPerThread + i,
+                                                               col0 + tx + jn * Dt::kColGroups, dx) - lse2[i]);
+                    dS[i][jn] = P[i][jn] * (dS[i][jn] - D[i]) * dx;
+                } else {
+                    P[i][jn] = exp2_(P[i][jn] - lse2[i]);
+                    dS[i][jn] = P[i][jn] * (dS[i][jn] - D[i]);
+                }
             }
         store_P<Dt>(sdS, dS, ty, tx);
         __syncwarp();  // each thread reads back whole rows of dS_ij, written by its row group: one warp

@@ -54,6 +54,9 @@ struct BwdParams {
     long long mask_batch_stride, mask_head_stride;
     int mask_q_blocks, mask_k_blocks;
     int mask_block_q, mask_block_k;
+    double softcap_log2;           // score modifiers, as in FwdParams
+    const void* alibi_slopes;
+    long long alibi_batch_stride;
 };
 
 // The query tiles of kBlockM that see the key tile [key0, key0 + keys_valid) (the dK/dV kernel's

@@ -85,7 +85,8 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned s
 // Grid: (ceil(seqlen_k / kBlockN) · kOutSplit, K/V heads, batch). Block: Bt::kNThreads.
 // Shared memory: Bt::kSmemBytes. With GQA/MQA the block walks the query blocks of each query head
 // of its K/V head's group in turn (as the scalar kernel): dK_j, dV_j sum over the group on chip.
-template <typename Bt, bool kIsLocal, bool kIsBlockSparse>
+// kScoreMod: softcap and ALiBi, as in the forward (instantiated with kIsLocal only).
+template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     flash_bwd_dkdv_tc_kernel(const BwdParams params) {
     using Storage = typename Bt::Storage;
@@ -130,6 +131,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
 
     const int first_head = kv_head * params.kv_group;
     for (int head_idx = first_head; head_idx < first_head + params.kv_group; ++head_idx) {
+        const auto mod = score_mod<kScoreMod, float>(params, batch_idx, head_idx);
 
         // Query blocks that see this key block: those in its band (causal: from its diagonal on),
         // and of those only the ones a block mask keeps.
@@ -176,16 +178,50 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             if (keys_valid < Bt::kBlockN ||
                 (kIsLocal && band_cuts(params, q_row0, min(Bt::kBlockM, params.seqlen_q - q_row0), key0, keys_valid)))
                 mask_fragments<kIsLocal, true>(St, key0 + warp_keys, q_row0 + warp_queries, params, f);
+            // kScoreMod: P^T of the modified scores, and P^T ∘ dx (the modifier's derivative) rounded
+            // as dS's factor in place of P^T: no fp32 tile outlives this loop.
+            unsigned Pt_dx[Bt::kMTiles][Bt::kNTiles / 2][4];
+            if constexpr (kScoreMod) {
+                // ALiBi's query + diagonal - key at this lane's first element; the others add a constant.
+                const float offset0 = mod.offset(q_row0 + warp_queries + f.col(0, 0), key0 + warp_keys + f.row(0, 0));
+                const auto modified_probabilities = [&](auto softcap) {
+                    constexpr bool kSoftcap = decltype(softcap)::value;
 #pragma unroll
-            for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-                const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + warp_queries + f.col(nt, 0));
+                    for (int nt = 0; nt < Bt::kNTiles; ++nt) {
+                        const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + warp_queries + f.col(nt, 0));
 #pragma unroll
-                for (int mt = 0; mt < Bt::kMTiles; ++mt)
+                        for (int mt = 0; mt < Bt::kMTiles; ++mt)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        St[mt][nt][2 * h] = exp2f(fmaf(St[mt][nt][2 * h], scale_log2, -lse2.x));
-                        St[mt][nt][2 * h + 1] = exp2f(fmaf(St[mt][nt][2 * h + 1], scale_log2, -lse2.y));
+                            for (int h = 0; h < 2; ++h) {
+                                const float offset = offset0 + static_cast<float>(8 * nt - 16 * mt - 8 * h);
+                                float dx0, dx1;
+                                const float x0 = mod.template apply_at<true, kSoftcap>(St[mt][nt][2 * h] * scale_log2,
+                                                                                       fabsf(offset), dx0);
+                                const float x1 = mod.template apply_at<true, kSoftcap>(
+                                    St[mt][nt][2 * h + 1] * scale_log2, fabsf(offset + 1.f), dx1);
+                                St[mt][nt][2 * h] = exp2f(x0 - lse2.x);
+                                St[mt][nt][2 * h + 1] = exp2f(x1 - lse2.y);
+                                Pt_dx[mt][nt / 2][(nt % 2) * 2 + h] =
+                                    Op::pack(St[mt][nt][2 * h] * dx0, St[mt][nt][2 * h + 1] * dx1);
+                            }
                     }
+                };
+                if (mod.softcap())
+                    modified_probabilities(BoolConstant<true>());
+                else
+                    modified_probabilities(BoolConstant<false>());
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < Bt::kNTiles; ++nt) {
+                    const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + warp_queries + f.col(nt, 0));
+#pragma unroll
+                    for (int mt = 0; mt < Bt::kMTiles; ++mt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            St[mt][nt][2 * h] = exp2f(fmaf(St[mt][nt][2 * h], scale_log2, -lse2.x));
+                            St[mt][nt][2 * h + 1] = exp2f(fmaf(St[mt][nt][2 * h + 1], scale_log2, -lse2.y));
+                        }
+                }
             }
 
             // dV_j += P^T dO_i over this warp's queries. P^T is rounded to the input type first, as
@@ -210,7 +246,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         // A fragment register r holds rows h = r % 2 of n8 tile 2kk + r / 2.
-                        const float2 p = Op::unpack(Pt[mt][nt / 2][(nt % 2) * 2 + h]);
+                        const float2 p = Op::unpack((kScoreMod ? Pt_dx : Pt)[mt][nt / 2][(nt % 2) * 2 + h]);
                         dPt[mt][nt][2 * h] = p.x * (dPt[mt][nt][2 * h] - d_i.x);
                         dPt[mt][nt][2 * h + 1] = p.y * (dPt[mt][nt][2 * h + 1] - d_i.y);
                     }
@@ -261,7 +297,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
 
 // Grid: (ceil(seqlen_q / kBlockM) · kOutSplit, heads, batch). Block: Dt::kNThreads.
 // Shared memory: Dt::kSmemBytes.
-template <typename Dt, bool kIsLocal, bool kIsBlockSparse>
+template <typename Dt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
 __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_tc_kernel(const BwdParams params) {
     using Storage = typename Dt::Storage;
     using Op = typename Dt::Op;
@@ -325,6 +361,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     float dQ[Dt::kMTiles][kOutTiles][4];
     zero(dQ);
     const float scale_log2 = static_cast<float>(params.scale_log2);
+    const auto mod = score_mod<kScoreMod, float>(params, batch_idx, head_idx);
     const unsigned sQ_warp = sQ + warp * Dt::kWarpRows * Dt::kStride * 2;
     const unsigned sdO_warp = sdO + warp * Dt::kWarpRows * Dt::kStride * 2;
 
@@ -355,17 +392,43 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
         zero(dP);
         gemm_abt_ss<Op, Dt::kMTiles, Dt::kNTiles, Dt::kKSteps, Dt::kStride, Dt::kStride>(dP, sdO_warp, sV_j, lane);
         // dS_ij = P_ij ∘ (dP_ij - D_i), P_ij = exp2(S·scale·log2(e) - lse_i·log2(e)), in place in dP.
+        if constexpr (kScoreMod) {  // P_ij of the modified scores, dS_ij times the modifier's derivative
+            const float offset0 = mod.offset(warp_row0 + f.row(0, 0), col0 + f.col(0, 0));
+            const auto modified_gradients = [&](auto softcap) {
+                constexpr bool kSoftcap = decltype(softcap)::value;
 #pragma unroll
-        for (int mt = 0; mt < Dt::kMTiles; ++mt)
+                for (int mt = 0; mt < Dt::kMTiles; ++mt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+                    for (int h = 0; h < 2; ++h)
 #pragma unroll
-                for (int nt = 0; nt < Dt::kNTiles; ++nt)
+                        for (int nt = 0; nt < Dt::kNTiles; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float p = exp2f(fmaf(S[mt][nt][2 * h + e], scale_log2, -lse2[mt][h]));
-                        dP[mt][nt][2 * h + e] = p * (dP[mt][nt][2 * h + e] - d_i[mt][h]);
-                    }
+                            for (int e = 0; e < 2; ++e) {
+                                const float offset = offset0 + static_cast<float>(16 * mt + 8 * h - 8 * nt - e);
+                                float dx;
+                                const float x = mod.template apply_at<true, kSoftcap>(S[mt][nt][2 * h + e] * scale_log2,
+                                                                                      fabsf(offset), dx);
+                                const float p = exp2f(x - lse2[mt][h]);
+                                dP[mt][nt][2 * h + e] = p * dx * (dP[mt][nt][2 * h + e] - d_i[mt][h]);
+                            }
+            };
+            if (mod.softcap())
+                modified_gradients(BoolConstant<true>());
+            else
+                modified_gradients(BoolConstant<false>());
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < Dt::kMTiles; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int nt = 0; nt < Dt::kNTiles; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float p = exp2f(fmaf(S[mt][nt][2 * h + e], scale_log2, -lse2[mt][h]));
+                            dP[mt][nt][2 * h + e] = p * (dP[mt][nt][2 * h + e] - d_i[mt][h]);
+                        }
+        }
         unsigned dS[Dt::kMTiles][Dt::kNTiles / 2][4];
         to_a_fragments<Op>(dP, dS);
         gemm_ab_rs<Op, Dt::kMTiles, kOutTiles, Dt::kNTiles / 2, Dt::kStride>(dQ, dS, sK_j + col_out0 * 2, lane);

@@ -8,7 +8,9 @@ namespace cupyflash {
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads threads.
 // Dynamic shared memory: Kt::kSmemBytes.
-template <typename Kt, bool kIsLocal, bool kIsBlockSparse>
+// kScoreMod: softcap and ALiBi (ScoreMod) on every score; instantiated with kIsLocal only, whose
+// band arithmetic covers the unmasked problem too (a band as wide as the score matrix).
+template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_kernel(const FwdParams params) {
     using Accum = typename Kt::Accum;
     using Storage = typename Kt::Storage;
@@ -52,6 +54,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         for (int c = 0; c < Kt::kOColsPerThread; ++c) O[i][c] = Accum(0);
     }
 
+    const auto mod = score_mod<kScoreMod, Accum>(params, batch_idx, head_idx);
+
     // n_block is the tile of position t, read a step ahead: block-sparse, the next index's load
     // then overlaps this tile's work (and the loop needs one register less than indexing twice).
     int n_block = key_blocks.begin < key_blocks.end ? key_blocks[key_blocks.begin] : 0;
@@ -71,6 +75,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         if (keys_valid < Kt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid))) {
             apply_mask<Kt, kIsLocal>(S, row0, col0, params, ty, tx);
         }
+        if constexpr (kScoreMod) apply_score_mod<Kt>(S, mod, row0, col0, ty, tx);
         online_softmax<Kt>(S, O, m, l);
         store_P<Kt>(sP, S, ty, tx);
         // Each thread reads whole rows of P_ij below, written by its row group: one warp.

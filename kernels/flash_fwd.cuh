@@ -39,6 +39,10 @@ struct FwdParams {
     long long mask_batch_stride, mask_head_stride;
     int mask_q_blocks, mask_k_blocks;
     int mask_block_q, mask_block_k;
+    // Score modifiers (kScoreMod instantiations only; see ScoreMod).
+    double softcap_log2;           // softcap·log2(e); 0: no softcap
+    const void* alibi_slopes;      // [batch or 1][heads], contiguous Accum: ALiBi slopes; nullptr: none
+    long long alibi_batch_stride;  // 0: one row of slopes for every batch entry
 };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T x[N]; };
@@ -121,6 +125,74 @@ __device__ __forceinline__ TileSequence<true> sparse_tiles(const int* blocks, in
     const int begin = first * per_block + max(0, lo - blocks[first] * per_block);
     const int end = (last - 1) * per_block + min(per_block, hi - blocks[last - 1] * per_block);
     return {blocks, per_block, begin, end};
+}
+
+// The score modifiers of current models, on a score x = scale·q_i·k_j in the kernels' log2 units:
+// the softcap of Gemma 2 and Grok, x -> cap·tanh(x / cap), then ALiBi's linear bias (Press et al.,
+// 2022) -slope_h·|i + seqlen_k - seqlen_q - j|: the key's distance from the query's own position,
+// aligned bottom-right as causal is. The host passes cap and the slopes in natural units times
+// log2(e), which is the same modification of the log2-unit score. Masked scores (-inf) stay -inf.
+template <typename Accum>
+struct ScoreMod {
+    Accum cap, inv_cap;  // the softcap (log2 units) and its inverse; cap = 0: none
+    Accum slope;         // this head's ALiBi slope (log2 units); 0: none
+    int diagonal;        // seqlen_k - seqlen_q: query i's own key position is i + diagonal
+
+    template <typename Params>
+    __device__ __forceinline__ ScoreMod(const Params& params, int batch_idx, int head_idx)
+        : cap(static_cast<Accum>(params.softcap_log2)),
+          inv_cap(params.softcap_log2 > 0 ? static_cast<Accum>(1.0 / params.softcap_log2) : Accum(0)),
+          slope(params.alibi_slopes == nullptr
+                    ? Accum(0)
+                    : static_cast<Accum>(kLog2e) * static_cast<const Accum*>(params.alibi_slopes)[
+                          batch_idx * params.alibi_batch_stride + head_idx]),
+          diagonal(params.seqlen_k - params.seqlen_q) {}
+
+    __device__ __forceinline__ bool softcap() const { return cap != Accum(0); }
+
+    // query + diagonal - key, whose absolute value is ALiBi's distance: the tensor-core kernels
+    // take it once per tile and add each fragment element's constant offset, a float add where an
+    // int-to-float conversion per element would take the MUFU pipe's slots from exp2.
+    __device__ __forceinline__ Accum offset(int query, int key) const {
+        return static_cast<Accum>(query + diagonal - key);
+    }
+
+    // The modified score of x at ALiBi distance `distance`, and in dx its derivative in x
+    // (1 - tanh^2 with the softcap, else 1), which the backward's dS_ij = P_ij ∘ (dP_ij - D_i) ∘ dx
+    // needs. kSoftcap: whether cap != 0, decided once per tile (softcap()). kFast: the
+    // tensor-core kernels' tanh_fast; the scalar kernels keep the accurate tanh.
+    template <bool kFast, bool kSoftcap>
+    __device__ __forceinline__ Accum apply_at(Accum x, Accum distance, Accum& dx) const {
+        dx = Accum(1);
+        if constexpr (kSoftcap) {
+            const Accum t = kFast ? tanh_fast(x * inv_cap) : tanh_(x * inv_cap);
+            dx = Accum(1) - t * t;
+            x = x == neg_inf<Accum>() ? x : cap * t;
+        }
+        return x - slope * distance;
+    }
+
+    template <bool kFast>
+    __device__ __forceinline__ Accum apply(Accum x, int query, int key, Accum& dx) const {
+        const Accum distance = abs(offset(query, key));
+        return softcap() ? apply_at<kFast, true>(x, distance, dx) : apply_at<kFast, false>(x, distance, dx);
+    }
+};
+
+// The kernels' modifiers: read from the parameters in kScoreMod instantiations; elsewhere an
+// empty object, as even an unused zero-filled ScoreMod changes NVRTC's code for some kernels.
+struct NoScoreMod {};
+template <bool kScoreMod, typename Accum> struct ScoreModFor { using type = ScoreMod<Accum>; };
+template <typename Accum> struct ScoreModFor<false, Accum> { using type = NoScoreMod; };
+
+template <bool kScoreMod, typename Accum, typename Params>
+__device__ __forceinline__ typename ScoreModFor<kScoreMod, Accum>::type score_mod(const Params& params, int batch_idx,
+                                                                                  int head_idx) {
+    if constexpr (kScoreMod) {
+        return ScoreMod<Accum>(params, batch_idx, head_idx);
+    } else {
+        return NoScoreMod{};
+    }
 }
 
 template <typename Params>
@@ -221,6 +293,23 @@ __device__ __forceinline__ void apply_mask(
             if (col >= params.seqlen_k || (kIsLocal && band_hides(params, row, col))) S[i][jn] = neg_inf<Accum>();
         }
     }
+}
+
+// S = mod(S) for this thread's scores (log2 units; queries from row0, keys from col0): softcap
+// and ALiBi, kScoreMod instantiations only.
+template <typename Kt>
+__device__ __forceinline__ void apply_score_mod(
+    typename Kt::Accum (&S)[Kt::kRowsPerThread][Kt::kSColsPerThread], const ScoreMod<typename Kt::Accum>& mod,
+    int row0, int col0, int ty, int tx) {
+    using Accum = typename Kt::Accum;
+#pragma unroll
+    for (int i = 0; i < Kt::kRowsPerThread; ++i)
+#pragma unroll
+        for (int jn = 0; jn < Kt::kSColsPerThread; ++jn) {
+            Accum dx;
+            S[i][jn] = mod.template apply<false>(S[i][jn], row0 + ty * Kt::kRowsPerThread + i,
+                                                 col0 + tx + jn * Kt::kColGroups, dx);
+        }
 }
 
 // Reduces over the kColGroups threads that share a row (adjacent lanes of one warp).

@@ -43,7 +43,9 @@ __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[
 }
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads. Shared memory: Kt::kSmemBytes.
-template <typename Kt, bool kIsLocal, bool kIsBlockSparse>
+// kScoreMod: softcap and ALiBi (ScoreMod) on every score; instantiated with kIsLocal only, whose
+// band arithmetic covers the unmasked problem too (a band as wide as the score matrix).
+template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_tc_kernel(const FwdParams params) {
     using Storage = typename Kt::Storage;
     using Op = typename Kt::Op;
@@ -91,6 +93,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         cp_async_commit();
     }
     const float scale_log2 = static_cast<float>(params.scale_log2);
+    const auto mod = score_mod<kScoreMod, float>(params, batch_idx, head_idx);
 
     // Dense, the loop counts from tile 0 and passes over the tiles left of the band one compare
     // each: started at a runtime tile, NVRTC spills 100 bytes at d64 and d128 (local attention).
@@ -110,7 +113,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
             S, sQ + warp * Kt::kWarpRows * Kt::kStride * 2, sK, lane);
         if (keys_valid < Kt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid)))
             mask_fragments<kIsLocal, false>(S, warp_row0, col0, params, f);
-        online_softmax_tc<Kt>(S, O, m, l, scale_log2);
+        if constexpr (kScoreMod) {
+            // S becomes the modified scores in log2 units, which the softmax takes unscaled.
+            if (mod.softcap())
+                score_mod_fragments<true>(S, mod, scale_log2, warp_row0, col0, f);
+            else
+                score_mod_fragments<false>(S, mod, scale_log2, warp_row0, col0, f);
+            online_softmax_tc<Kt>(S, O, m, l, 1.f);
+        } else {
+            online_softmax_tc<Kt>(S, O, m, l, scale_log2);
+        }
         unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
         to_a_fragments<Op>(S, P);
 

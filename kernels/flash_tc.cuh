@@ -302,6 +302,26 @@ __device__ __forceinline__ void mask_fragments(float (&S)[kMTiles][kNTiles][4], 
                 }
 }
 
+// S = mod(scale_log2 · S) for a tile of queries from row0 and keys from col0 (the forward's S_ij):
+// the softcapped, ALiBi-biased scores in log2 units (ScoreMod).
+template <bool kSoftcap, int kMTiles, int kNTiles>
+__device__ __forceinline__ void score_mod_fragments(float (&S)[kMTiles][kNTiles][4], const ScoreMod<float>& mod,
+                                                    float scale_log2, int row0, int col0, const Fragment& f) {
+    const float offset0 = mod.offset(row0 + f.row(0, 0), col0 + f.col(0, 0));
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float dx;
+                    const float distance = fabsf(offset0 + static_cast<float>(16 * mt + 8 * h - 8 * nt - e));
+                    S[mt][nt][2 * h + e] = mod.apply_at<true, kSoftcap>(S[mt][nt][2 * h + e] * scale_log2, distance, dx);
+                }
+}
+
 // Writes scale · C to a [rows][cols] global tile (row_stride apart, columns contiguous) in the
 // element type; rows >= rows_valid and columns >= cols_valid are padding and are skipped. Pairs of
 // columns go out as one 32-bit store where alignment allows.

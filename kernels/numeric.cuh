@@ -64,6 +64,8 @@ __device__ __forceinline__ float log_(float x) { return logf(x); }
 __device__ __forceinline__ double log_(double x) { return log(x); }
 __device__ __forceinline__ float max_(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_(double x) { return tanh(x); }
 
 template <typename T> __device__ __forceinline__ T neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float(0xff800000); }
@@ -79,6 +81,17 @@ template <typename T> __device__ __forceinline__ T shfl_xor(T x, int lane_mask) 
 
 constexpr double kLn2 = 0.693147180559945309417232121458176568;   // ln(2): lse = m·ln2 + ln(l)
 constexpr double kLog2e = 1.442695040888963407359924681001892137;  // log2(e): exp(x) = exp2(x·log2(e))
+
+// tanh(x) = 1 - 2 / (e^2x + 1) with the hardware exp2 and reciprocal: an absolute error of a few
+// 1e-7, as float32 arithmetic gives, in two MUFU operations where tanhf takes ~20 instructions.
+// The one-operation tanh.approx.f32 (flash-attn's choice) made softcapped forwards 1.09-1.16x
+// faster (benchmarks/NOTES.md), but its 2^-11 relative error put lse 2-5x past the float32 bound.
+__device__ __forceinline__ float tanh_fast(float x) {
+    return 1.f - __fdividef(2.f, exp2f(x * static_cast<float>(2.0 * kLog2e)) + 1.f);
+}
+
+// A compile-time bool as a type, for generic lambdas instantiated on a runtime-uniform flag.
+template <bool kValue> struct BoolConstant { static constexpr bool value = kValue; };
 
 __host__ __device__ constexpr int gcd_(int a, int b) { return b == 0 ? a : gcd_(b, a % b); }
 

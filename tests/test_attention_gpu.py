@@ -10,10 +10,11 @@ from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, bits, numpy_dtype, random_
 pytestmark = pytest.mark.gpu
 
 
-def assert_matches_reference(q, k, v, out, lse, dtype, causal, scale=None, block_mask=None, window=None):
-    """Tolerance rule: max error <= 2 x that of the same computation in the input precision + floor."""
+def assert_matches_reference(q, k, v, out, lse, dtype, causal, scale=None, block_mask=None, window=None, **mods):
+    """Tolerance rule: max error <= 2 x that of the same computation in the input precision + floor.
+    mods: softcap, alibi_slopes (as the kernels saw them)."""
     q, k, v = (reference._as_float64(x) for x in (q, k, v))  # the exact values the kernel saw
-    options = {"causal": causal, "scale": scale, "block_mask": block_mask, "window": window}
+    options = {"causal": causal, "scale": scale, "block_mask": block_mask, "window": window, **mods}
     ref, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
     dt = numpy_dtype(dtype)
     lowp = reference.attention_in_precision(q.astype(dt), k.astype(dt), v.astype(dt), dt, **options)

@@ -11,12 +11,14 @@ from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, bits, numpy_dtype, random_
 pytestmark = pytest.mark.gpu
 
 
-def assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, scale=None, block_mask=None, window=None):
+def assert_gradients_match_reference(
+    dout, q, k, v, grads, dtype, causal, scale=None, block_mask=None, window=None, **mods
+):
     """Tolerance rule for each of dq, dk, dv: max error against the float64 gradient <= 2 x that
     of standard attention's backward done in the input precision + a noise floor relative to the
-    terms each gradient sums (`reference.gradient_term_magnitudes`)."""
+    terms each gradient sums (`reference.gradient_term_magnitudes`). mods: softcap, alibi_slopes."""
     dout, q, k, v = (reference._as_float64(x) for x in (dout, q, k, v))  # the values the kernels saw
-    options = {"causal": causal, "scale": scale, "block_mask": block_mask, "window": window}
+    options = {"causal": causal, "scale": scale, "block_mask": block_mask, "window": window, **mods}
     exact = reference.attention_backward(dout, q, k, v, **options)
     dt = numpy_dtype(dtype)
     lowp = reference.attention_backward_in_precision(*(x.astype(dt) for x in (dout, q, k, v)), dt, **options)
