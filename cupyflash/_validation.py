@@ -60,7 +60,8 @@ class AttentionProblem:
     heads_kv: int = 0  # K/V heads (GQA/MQA: a divisor of heads); 0 is read as heads
     window: tuple | None = None  # (left, right), each an int >= 0 or None (unbounded); None: no window
     softcap: float | None = None  # scores -> softcap·tanh(scores / softcap); None: no softcap
-    # ALiBi slopes, (batch or 1, heads), NumPy or CuPy as given (checked by check_alibi_slopes); None: none
+    # ALiBi slopes, (batch or 1, heads), NumPy or CuPy as given (checked by check_alibi_slopes); None:
+    # none. Left out of == (arrays do not compare to a bool); nothing caches on problems.
     alibi_slopes: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -203,6 +204,11 @@ def check_alibi_slopes(slopes, problem: AttentionProblem) -> AttentionProblem:
         )
     if isinstance(slopes, numpy.ndarray) and not numpy.isfinite(slopes.astype(numpy.float64)).all():
         raise ValueError("alibi_slopes must be finite")
+    if problem.seqlen_q + problem.seqlen_k > _MAX_SEQLEN:  # ALiBi's distance i + seqlen_k - seqlen_q - j in int32
+        raise ValueError(
+            f"with alibi_slopes, seqlen_q + seqlen_k must be at most {_MAX_SEQLEN}, got "
+            f"{problem.seqlen_q + problem.seqlen_k}"
+        )
     return dataclasses.replace(problem, alibi_slopes=slopes)
 
 

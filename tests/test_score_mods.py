@@ -60,17 +60,15 @@ def test_reference_against_brute_force(rng, heads, heads_kv, per_batch, causal, 
 
 
 def test_softcap_bounds_the_scores_and_alibi_favours_near_keys(rng):
-    """With a softcap every score lies in (-cap, cap): the weights of a row differ by at most
-    e^(2 cap), however large q and k are. With a steep ALiBi slope a query attends to the keys
-    nearest its own position."""
+    """With a softcap every score lies in (-cap, cap), however large q and k are, so each row's lse
+    lies within cap of log(seqlen_k). With a steep ALiBi slope a query attends to the key at its
+    own position."""
     q, k, v = random_problem(rng, 1, 6, 6, 2, 2, 8)
-    q *= 100.0
-    out = reference.attention(q, k, v, softcap=0.5)
-    weights_bound = numpy.exp(1.0)  # e^(2 · 0.5)
-    assert (numpy.abs(out) <= numpy.abs(v).max()).all()
-    lo, hi = v.min(axis=1, keepdims=True), v.max(axis=1, keepdims=True)
-    assert ((out >= lo) & (out <= hi)).all() and weights_bound > 1
-    steep = reference.attention(q / 100.0, k, v, alibi_slopes=numpy.array([50.0, 50.0]))
+    _, lse = reference.attention(100.0 * q, k, v, softcap=0.5, return_lse=True)
+    assert (numpy.abs(lse - numpy.log(6)) < 0.5).all()
+    _, plain = reference.attention(100.0 * q, k, v, return_lse=True)
+    assert (numpy.abs(plain - numpy.log(6)) > 0.5).any()  # without the cap the bound fails
+    steep = reference.attention(q, k, v, alibi_slopes=numpy.array([50.0, 50.0]))
     numpy.testing.assert_allclose(steep, v, atol=1e-12)  # seqlen_q == seqlen_k: query i's own key is i
 
 
@@ -210,3 +208,22 @@ def test_score_mod_kernels_are_listed_for_every_dtype_head_dim_and_mask():
                             assert all(k in everything for k in pair)
     # The unmodified kernels keep their two-flag names (their compiled code is unchanged).
     assert _instantiations.fwd_kernel("float16", 64, True, True).name_expression.endswith(", true, false>")
+
+
+class _Shaped:
+    """Shape, dtype and strides only: what the checks read, for sizes no test could allocate."""
+
+    def __init__(self, shape, dtype=numpy.float16):
+        self.shape, self.dtype, self.ndim = tuple(shape), numpy.dtype(dtype), len(shape)
+        self.size = int(numpy.prod(shape))
+        self.strides = tuple(int(numpy.prod(shape[i + 1:])) * self.dtype.itemsize for i in range(len(shape)))
+
+
+def test_sequences_past_int32_distances_are_rejected():
+    """ALiBi's distance and the softcap kernels' band are int32: seqlen_q + seqlen_k must fit."""
+    q, k = _Shaped((1, 2**30, 1, 8)), _Shaped((1, 2**30, 1, 8))
+    with pytest.raises(ValueError, match="with causal, a window or a softcap, seqlen_q"):
+        _validation.check_attention_args(q, k, k, causal=False, scale=None, return_lse=False, softcap=5.0)
+    p = _validation.check_attention_args(q, k, k, causal=False, scale=None, return_lse=False)
+    with pytest.raises(ValueError, match="with alibi_slopes, seqlen_q"):
+        _validation.check_alibi_slopes(numpy.ones(1), p)
