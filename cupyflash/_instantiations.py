@@ -436,7 +436,8 @@ def tc_fwd_tile_shape(
         return TcTileShape(64, block_n, num_warps=4, min_blocks_per_sm=1)
     # (64, 64, 4) is 11% faster at 256 but spills with causal; (64, 32, 4) fits and is slower.
     # The block-sparse local kernel takes (128, 32, 8): with 64 keys it spills 4 bytes at sm_90a.
-    if block_sparse and local:
+    # The score-modifier kernel likewise (8 bytes at sm_90a, bf16).
+    if (block_sparse and local) or score_mod:
         return TcTileShape(128, 32, num_warps=8, min_blocks_per_sm=1)
     return TcTileShape(128, 64, num_warps=8, min_blocks_per_sm=1)
 
