@@ -236,7 +236,9 @@ def _pointer_and_strides(fields: dict, name: str, x) -> None:
     fields[f"{name}_head_stride"] = x.strides[2] // item
 
 
-def _problem_fields(fields: dict, p: _validation.AttentionProblem, device_id: int) -> None:
+def _problem_fields(fields: dict, p: _validation.AttentionProblem, device_id: int):
+    """The problem's fields of FwdParams / BwdParams. Returns the ALiBi slopes' device array (None
+    without), which must stay alive until the launches are queued."""
     fields["heads"] = p.heads
     fields["seqlen_q"] = p.seqlen_q
     fields["seqlen_k"] = p.seqlen_k
@@ -246,13 +248,13 @@ def _problem_fields(fields: dict, p: _validation.AttentionProblem, device_id: in
     fields["scale_log2"] = p.scale * reference.LOG2E
     _mask_fields(fields, p.block_mask, device_id)
     fields["softcap_log2"] = 0.0 if p.softcap is None else p.softcap * reference.LOG2E
-    fields["alibi_slopes"] = fields["alibi_batch_stride"] = 0
+    return _slopes_fields(fields, p)
 
 
-def _slopes_field(fields: dict, p: _validation.AttentionProblem):
-    """Sets the ALiBi fields; returns the slopes' device array (contiguous, in the kernels' Accum
-    type), which must stay alive until the launch is queued."""
+def _slopes_fields(fields: dict, p: _validation.AttentionProblem):
+    """The ALiBi fields; returns the slopes as the kernels read them (contiguous, Accum type)."""
     if p.alibi_slopes is None:
+        fields["alibi_slopes"] = fields["alibi_batch_stride"] = 0
         return None
     import cupy
 
@@ -346,8 +348,7 @@ def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=No
     fields = {"lse": lse.data.ptr}
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         _pointer_and_strides(fields, name, x)
-    _problem_fields(fields, p, q.device.id)
-    slopes = _slopes_field(fields, p)  # noqa: F841 - alive until the launch is queued
+    slopes = _problem_fields(fields, p, q.device.id)  # noqa: F841 - alive until the launch is queued
     params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
     _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params)
 
@@ -501,8 +502,7 @@ def launch_backward(
     for axis, name in enumerate(("batch", "head", "row")):
         fields[f"lse_{name}_stride"] = lse.strides[axis] // lse.dtype.itemsize
     fields["dq_accum"] = 0 if dq_accum is None else dq_accum.data.ptr
-    _problem_fields(fields, p, device_id)
-    slopes = _slopes_field(fields, p)  # noqa: F841 - alive until the launches are queued
+    slopes = _problem_fields(fields, p, device_id)  # noqa: F841 - alive until the launches are queued
     params = _params(_instantiations.BWD_PARAMS_DTYPE, fields)
 
     def launch(kernel):
