@@ -2,7 +2,8 @@
 
 `attention` and `attention_backward` take arrays of any of these frameworks (and
 `block_sparse_attention` / `block_sparse_attention_backward` with a `BlockMask`, and
-`attention_decode` for KV-cache decoding); `cupyflash.torch`
+`attention_decode` for KV-cache decoding, `attention_varlen` / `attention_varlen_backward` for
+packed variable-length batches); `cupyflash.torch`
 and `cupyflash.jax` wrap them as differentiable functions (torch.autograd / jax.custom_vjp).
 
 Tiled CUDA kernels (kernels/*.cu, compiled at run time through CuPy's NVRTC) compute exact
@@ -14,6 +15,8 @@ from cupyflash import reference
 from cupyflash._attention import (
     attention,
     attention_backward,
+    attention_varlen,
+    attention_varlen_backward,
     block_sparse_attention,
     block_sparse_attention_backward,
     gpu_available,
@@ -26,6 +29,8 @@ __all__ = [
     "attention",
     "attention_backward",
     "attention_decode",
+    "attention_varlen",
+    "attention_varlen_backward",
     "block_sparse_attention",
     "block_sparse_attention_backward",
     "gpu_available",

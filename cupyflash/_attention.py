@@ -18,7 +18,9 @@ def gpu_available() -> bool:
     return bool(cupy.cuda.is_available())
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=None, softcap=None, alibi_slopes=None):
+def attention(
+    q, k, v, *, causal=False, scale=None, return_lse=False, window=None, softcap=None, alibi_slopes=None, seqlens_k=None
+):
     """Exact softmax attention, computed with FlashAttention-2's tiled online softmax.
 
     out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h]) v[b, j, h]
@@ -72,6 +74,12 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=Non
         i and key j, the key's distance from the query's own position, aligned bottom-right as
         causal is. Shape (heads,) or (batch, heads), any real float dtype (used in the kernels'
         accumulator precision); on the host, or on q's GPU. flash-attn's semantics.
+    seqlens_k : int array of shape (batch,), optional
+        Key padding for padded batches: batch entry b uses only its first seqlens_k[b] keys, as if
+        k and v were cut to that length (causal, windows and ALiBi align to seqlen_q and
+        seqlens_k[b]); the rest is never read. An integer array on the host (checked: 0 <= s <=
+        seqlen_k) or on q's GPU (used as given, clamped to [0, seqlen_k]), or an int. For packed
+        batches with no padding at all, see `attention_varlen`.
 
     Returns
     -------
@@ -109,7 +117,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=Non
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
-    return _attention(q, k, v, causal, scale, return_lse, None, window, softcap, alibi_slopes)
+    return _attention(q, k, v, causal, scale, return_lse, None, window, softcap, alibi_slopes, seqlens_k)
 
 
 def block_sparse_attention(
@@ -152,11 +160,11 @@ def block_sparse_attention(
     return _attention(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes)
 
 
-def _attention(q, k, v, causal, scale, return_lse, block_mask, window=None, softcap=None, alibi_slopes=None):
+def _attention(
+    q, k, v, causal, scale, return_lse, block_mask, window=None, softcap=None, alibi_slopes=None, seqlens_k=None
+):
     given = {"q": q, "k": k, "v": v}
-    origins = {name: _arrays.classify(x, name) for name, x in given.items()}
-    _arrays.check_placement(origins)
-    arrays = {name: _arrays.ingest(x, origins[name], name) for name, x in given.items()}
+    arrays, origins = _ingest_arrays(given)
     problem = _validation.check_attention_args(
         arrays["q"], arrays["k"], arrays["v"], causal=causal, scale=scale, return_lse=return_lse, window=window,
         softcap=softcap,
@@ -164,8 +172,21 @@ def _attention(q, k, v, causal, scale, return_lse, block_mask, window=None, soft
     problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), problem)
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem)
-    q_, k_, v_ = arrays["q"], arrays["k"], arrays["v"]
+    problem = _validation.check_seqlens_k(_ingest_side_array(seqlens_k, "seqlens_k", origins["q"]), problem)
+    return _run_forward(arrays, origins, problem)
 
+
+def _ingest_arrays(given: dict) -> tuple[dict, dict]:
+    """The named arrays as NumPy or CuPy (DLPack imports, no copies) and their origins, all on the
+    host or all on one GPU."""
+    origins = {name: _arrays.classify(x, name) for name, x in given.items()}
+    _arrays.check_placement(origins)
+    return {name: _arrays.ingest(x, origins[name], name) for name, x in given.items()}, origins
+
+
+def _run_forward(arrays: dict, origins: dict, problem: _validation.AttentionProblem):
+    """The validated forward on the arrays' side (the GPU, or the CPU fallback), results exported."""
+    q_, k_, v_ = arrays["q"], arrays["k"], arrays["v"]
     if not origins["q"].on_gpu and not gpu_available():
         out, lse = _forward_cpu(q_, k_, v_, problem)
     else:
@@ -174,7 +195,6 @@ def _attention(q, k, v, causal, scale, return_lse, block_mask, window=None, soft
 
             q_, k_, v_ = (cupy.asarray(x) for x in (q_, k_, v_))
         out, lse = _forward_gpu(q_, k_, v_, problem)
-
     origin = origins["q"]
     out = _arrays.export(out, origin)
     return (out, _arrays.export(lse, origin)) if problem.return_lse else out
@@ -183,16 +203,22 @@ def _attention(q, k, v, causal, scale, return_lse, block_mask, window=None, soft
 def _ingest_slopes(slopes, q_origin: _arrays.Origin):
     """alibi_slopes as NumPy or CuPy: a host array (or list) with any q, a GPU array only with q on
     the same GPU."""
-    if slopes is None:
-        return None
     if isinstance(slopes, (list, tuple)):
         slopes = numpy.asarray(slopes)
-    origin = _arrays.classify(slopes, "alibi_slopes")
+    return _ingest_side_array(slopes, "alibi_slopes", q_origin)
+
+
+def _ingest_side_array(x, name: str, q_origin: _arrays.Origin):
+    """An argument array beside q (ALiBi slopes, sequence lengths) as NumPy or CuPy: on the host
+    with any q, on a GPU only with q on the same GPU. None, ints and lists pass unchanged."""
+    if x is None or isinstance(x, (int, numpy.integer, list, tuple)):
+        return x
+    origin = _arrays.classify(x, name)
     if origin.on_gpu and (not q_origin.on_gpu or origin.device_id != q_origin.device_id):
         where = f"GPU {q_origin.device_id}" if q_origin.on_gpu else "the host"
-        raise ValueError(f"alibi_slopes is on GPU {origin.device_id} while q is on {where}; pass the slopes on "
-                         f"the host or on q's GPU")
-    return _arrays.ingest(slopes, origin, "alibi_slopes")
+        raise ValueError(f"{name} is on GPU {origin.device_id} while q is on {where}; pass it on the host or on "
+                         f"q's GPU")
+    return _arrays.ingest(x, origin, name)
 
 
 def _score_mod_options(p: _validation.AttentionProblem) -> dict:
@@ -202,19 +228,43 @@ def _score_mod_options(p: _validation.AttentionProblem) -> dict:
 
 
 def _forward_cpu(q, k, v, p: _validation.AttentionProblem):
-    out, lse = reference.tiled_attention(
-        q, k, v, causal=p.causal, scale=p.scale, return_lse=True, block_mask=p.block_mask, window=p.window,
-        **_score_mod_options(p),
-    )
+    options = dict(causal=p.causal, scale=p.scale, window=p.window, **_score_mod_options(p))
+    if p.cu_seqlens is not None:
+        out, lse = reference.attention_varlen(q, k, v, *p.cu_seqlens, return_lse=True, forward=reference.tiled_attention,
+                                              **options)
+    elif p.seqlens_k is not None:
+        out, lse = _per_batch_entry(reference.tiled_attention, p, (q,), (k, v), return_lse=True, **options)
+    else:
+        out, lse = reference.tiled_attention(q, k, v, return_lse=True, block_mask=p.block_mask, **options)
     return out.astype(q.dtype), lse.astype(_validation.lse_dtype(p.dtype_name))
+
+
+def _per_batch_entry(function, p: _validation.AttentionProblem, q_side, k_side, key_results=(), **options):
+    """`function` (a reference) of a padded batch with seqlens_k, entry by entry on its first
+    seqlens_k[b] keys; returns its results stacked over the batch, those at positions key_results
+    (per key: dk, dv) padded with zeros to seqlen_k."""
+    slopes = options.pop("alibi_slopes")
+    results = []
+    for b, keys in enumerate(numpy.asarray(p.seqlens_k)):
+        row = None if slopes is None else slopes[b if slopes.shape[0] > 1 else 0]
+        parts = list(function(*(x[b : b + 1] for x in q_side), *(x[b : b + 1, :keys] for x in k_side),
+                              alibi_slopes=row, **options))
+        for i in key_results:
+            parts[i] = numpy.pad(parts[i], [(0, 0), (0, p.seqlen_k - keys)] + [(0, 0)] * (parts[i].ndim - 2))
+        results.append(parts)
+    return tuple(numpy.concatenate(part) for part in zip(*results))
 
 
 def _forward_gpu(q, k, v, p: _validation.AttentionProblem):
     import cupy
 
     with cupy.cuda.Device(q.device.id):
-        out = _empty((p.batch, p.seqlen_q, p.heads, p.head_dim), q.dtype)
-        lse = _empty((p.batch, p.heads, p.seqlen_q), _validation.lse_dtype(p.dtype_name))
+        if p.cu_seqlens is not None:  # packed: (total_q, heads, head_dim) and (heads, total_q)
+            out = _empty((p.total_q, p.heads, p.head_dim), q.dtype)
+            lse = _empty((p.heads, p.total_q), _validation.lse_dtype(p.dtype_name))
+        else:
+            out = _empty((p.batch, p.seqlen_q, p.heads, p.head_dim), q.dtype)
+            lse = _empty((p.batch, p.heads, p.seqlen_q), _validation.lse_dtype(p.dtype_name))
         if out.size == 0:
             return out, lse
         launch_forward(q, k, v, out, lse, p)
@@ -229,16 +279,20 @@ def _empty(shape, dtype):
 
 
 def _pointer_and_strides(fields: dict, name: str, x) -> None:
+    """x's pointer and (batch, row, head) strides in elements. A packed (total, heads, head_dim)
+    array of a variable-length batch gets its row stride as batch stride: the kernels index it
+    with a sequence's first row in place of the batch index (sequence_params)."""
     item = x.dtype.itemsize
+    strides = x.strides if x.ndim == 4 else x.strides[:1] + x.strides
     fields[name] = x.data.ptr
-    fields[f"{name}_batch_stride"] = x.strides[0] // item
-    fields[f"{name}_row_stride"] = x.strides[1] // item
-    fields[f"{name}_head_stride"] = x.strides[2] // item
+    fields[f"{name}_batch_stride"] = strides[0] // item
+    fields[f"{name}_row_stride"] = strides[1] // item
+    fields[f"{name}_head_stride"] = strides[2] // item
 
 
 def _problem_fields(fields: dict, p: _validation.AttentionProblem, device_id: int):
-    """The problem's fields of FwdParams / BwdParams. Returns the ALiBi slopes' device array (None
-    without), which must stay alive until the launches are queued."""
+    """The problem's fields of FwdParams / BwdParams. Returns the device arrays they point to (ALiBi
+    slopes, sequence lengths), which must stay alive until the launches are queued."""
     fields["heads"] = p.heads
     fields["seqlen_q"] = p.seqlen_q
     fields["seqlen_k"] = p.seqlen_k
@@ -248,7 +302,40 @@ def _problem_fields(fields: dict, p: _validation.AttentionProblem, device_id: in
     fields["scale_log2"] = p.scale * reference.LOG2E
     _mask_fields(fields, p.block_mask, device_id)
     fields["softcap_log2"] = 0.0 if p.softcap is None else p.softcap * reference.LOG2E
-    return _slopes_fields(fields, p)
+    return _slopes_fields(fields, p), _varlen_fields(fields, p)
+
+
+def _varlen_fields(fields: dict, p: _validation.AttentionProblem):
+    """cu_seqlens_q, cu_seqlens_k, seqused_k (nullptr for a fixed-length batch); returns the device
+    arrays, which must stay alive until the launches are queued."""
+    import cupy
+
+    fields["cu_seqlens_q"] = fields["cu_seqlens_k"] = fields["seqused_k"] = 0
+    arrays = []
+    if p.cu_seqlens is not None:
+        device_id = cupy.cuda.Device().id
+        arrays = [_device_lengths(device_id, cu.tobytes()) for cu in p.cu_seqlens]
+        fields["cu_seqlens_q"], fields["cu_seqlens_k"] = (x.data.ptr for x in arrays)
+    if p.seqlens_k is not None:
+        arrays.append(cupy.asarray(p.seqlens_k))
+        fields["seqused_k"] = arrays[-1].data.ptr
+    return arrays
+
+
+@functools.lru_cache(maxsize=64)
+def _device_lengths(device_id: int, lengths: bytes):
+    """Checked int32 cu_seqlens on the device, kept for the next call with the same lengths (the
+    forward and its backward, a benchmark): the upload from pageable memory waits for the GPU."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return cupy.asarray(numpy.frombuffer(lengths, dtype=numpy.int32))
+
+
+def _row_statistics_strides(p: _validation.AttentionProblem) -> tuple[int, int]:
+    """(batch, head) strides of a contiguous per-row vector (lse, D): (batch, heads, seqlen_q), or
+    packed (heads, total_q) indexed by each sequence's first row."""
+    return (1, p.total_q) if p.cu_seqlens is not None else (p.heads * p.seqlen_q, p.seqlen_q)
 
 
 def _slopes_fields(fields: dict, p: _validation.AttentionProblem):
@@ -335,7 +422,7 @@ def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
     return _instantiations.fwd_kernel(
-        p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None, p.score_mod
+        p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None, p.score_mod, p.varlen
     )
 
 
@@ -346,11 +433,96 @@ def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=No
     `kernel` (an _instantiations.FwdKernel or TcFwdKernel) defaults to `forward_kernel`'s."""
     kernel = kernel or forward_kernel(p, q.device.id, tensor_cores)
     fields = {"lse": lse.data.ptr}
+    fields["lse_batch_stride"], fields["lse_head_stride"] = _row_statistics_strides(p)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         _pointer_and_strides(fields, name, x)
-    slopes = _problem_fields(fields, p, q.device.id)  # noqa: F841 - alive until the launch is queued
+    keep_alive = _problem_fields(fields, p, q.device.id)  # noqa: F841 - until the launch is queued
     params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
     _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params)
+
+
+# --------------------------------------------------------------------------- variable-length batches
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, scale=None,
+    return_lse=False, window=None, softcap=None, alibi_slopes=None,
+):
+    """Attention over a batch of sequences of different lengths, packed one after the other with no
+    padding (FlashAttention-2's varlen layout, as ``flash_attn_varlen_func``).
+
+    Sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v; each attends only within itself, exactly
+    as `attention` on that sequence alone would, with causal, windows and ALiBi aligned to its own
+    bottom-right corner. The kernels walk each sequence's own tiles: no padding is computed.
+
+    Parameters
+    ----------
+    q : array, shape (total_q, heads, head_dim)
+    k, v : arrays, shape (total_k, heads_kv, head_dim)
+        Arrays, dtypes, strides, GQA/MQA as `attention`.
+    cu_seqlens_q, cu_seqlens_k : int32 arrays of shape (batch + 1,)
+        Cumulative sequence lengths: 0, then each sequence's end, the last equal to total_q
+        (total_k). int32 NumPy or CuPy arrays (a list of ints also does). They are checked (int32,
+        starting at 0, non-decreasing, ending at the total); a GPU array is read back for that,
+        a small synchronising copy.
+    max_seqlen_q, max_seqlen_k : int, optional
+        The longest sequence's length (at least that; default: computed from cu_seqlens).
+    causal, scale, window, softcap, alibi_slopes : as `attention`, per sequence; alibi_slopes of
+        shape (heads,) or (batch, heads).
+
+    Returns
+    -------
+    out, or (out, lse)
+        out (total_q, heads, head_dim) in q's dtype, and lse (heads, total_q) float32 (float64 for
+        float64 inputs), in the caller's array type, as `attention`.
+
+    Raises TypeError/ValueError as `attention`, and for bad cu_seqlens (not int32, not starting at
+    0, decreasing, a last value other than the packed length, different lengths for q and k) or a
+    max_seqlen below the longest sequence. Block masks are not supported with varlen.
+
+    Example
+    -------
+    >>> import numpy as np, cupyflash
+    >>> q = np.random.randn(3 + 5, 2, 16).astype(np.float32)  # two sequences: 3 and 5 tokens
+    >>> cu = np.array([0, 3, 8], dtype=np.int32)
+    >>> out = cupyflash.attention_varlen(q, q, q, cu, cu, causal=True)
+    >>> np.allclose(out[:3], cupyflash.attention(q[None, :3], q[None, :3], q[None, :3], causal=True)[0], atol=1e-6)
+    True
+    """
+    given = {"q": q, "k": k, "v": v}
+    arrays, origins = _ingest_arrays(given)
+    problem = _validation.check_varlen_args(
+        *arrays.values(), *_ingest_cu_seqlens(cu_seqlens_q, cu_seqlens_k, origins["q"]), max_seqlen_q, max_seqlen_k,
+        causal=causal, scale=scale, return_lse=return_lse, window=window, softcap=softcap,
+    )
+    problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), problem)
+    return _run_forward(arrays, origins, problem)
+
+
+def attention_varlen_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
+    scale=None, deterministic=False, window=None, softcap=None, alibi_slopes=None,
+):
+    """Gradients of `attention_varlen`: `attention_backward` for each packed sequence.
+
+    dout and out have q's shape (total_q, heads, head_dim), lse is the forward's (heads,
+    total_q); the other arguments as given to the forward, deterministic as `attention_backward`.
+    Returns (dq, dk, dv) with the shapes and dtype of q, k, v, in the caller's array type.
+    """
+    given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    arrays, origins = _ingest_arrays(given)
+    problem = _validation.check_varlen_backward_args(
+        *arrays.values(), *_ingest_cu_seqlens(cu_seqlens_q, cu_seqlens_k, origins["q"]), max_seqlen_q, max_seqlen_k,
+        causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap,
+    )
+    problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), problem)
+    return _run_backward(arrays, origins, problem)
+
+
+def _ingest_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q_origin: _arrays.Origin) -> tuple:
+    return tuple(_ingest_side_array(cu, name, q_origin)
+                 for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")))
 
 
 # --------------------------------------------------------------------------- backward
@@ -358,7 +530,7 @@ def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=No
 
 def attention_backward(
     dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic=False, window=None, softcap=None,
-    alibi_slopes=None,
+    alibi_slopes=None, seqlens_k=None,
 ):
     """Gradients of attention: FlashAttention-2's backward pass, recomputing P from the saved lse.
 
@@ -375,8 +547,8 @@ def attention_backward(
         k, v with heads_kv heads for GQA/MQA)
     lse : array, shape (batch, heads, seqlen_q), float32 (float64 for float64 inputs)
         The forward's log-sum-exp; any strides.
-    causal, scale, window, softcap, alibi_slopes : as given to the forward (same bottom-right
-        alignment). With a softcap, dq and dk carry its derivative 1 - tanh^2; the slopes get no
+    causal, scale, window, softcap, alibi_slopes, seqlens_k : as given to the forward (same
+        bottom-right alignment; padding keys get dk = dv = 0). With a softcap, dq and dk carry its derivative 1 - tanh^2; the slopes get no
         gradient (they are constants, as in flash-attn).
     deterministic : bool
         False (default): dq is summed across key blocks with float32 atomic adds, whose order
@@ -411,7 +583,9 @@ def attention_backward(
     >>> dq.shape, dk.dtype
     ((1, 5, 2, 16), dtype('float32'))
     """
-    return _attention_backward(dout, q, k, v, out, lse, causal, scale, deterministic, None, window, softcap, alibi_slopes)
+    return _attention_backward(
+        dout, q, k, v, out, lse, causal, scale, deterministic, None, window, softcap, alibi_slopes, seqlens_k
+    )
 
 
 def block_sparse_attention_backward(
@@ -430,18 +604,23 @@ def block_sparse_attention_backward(
 
 
 def _attention_backward(
-    dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window=None, softcap=None, alibi_slopes=None
+    dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window=None, softcap=None, alibi_slopes=None,
+    seqlens_k=None,
 ):
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
-    origins = {name: _arrays.classify(x, name) for name, x in given.items()}
-    _arrays.check_placement(origins)
-    arrays = {name: _arrays.ingest(x, origins[name], name) for name, x in given.items()}
+    arrays, origins = _ingest_arrays(given)
     problem = _validation.check_backward_args(
         *arrays.values(), causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap
     )
     problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), problem)
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem)
+    problem = _validation.check_seqlens_k(_ingest_side_array(seqlens_k, "seqlens_k", origins["q"]), problem)
+    return _run_backward(arrays, origins, problem)
+
+
+def _run_backward(arrays: dict, origins: dict, problem: _validation.AttentionProblem) -> tuple:
+    """The validated backward on the arrays' side (the GPU, or the CPU fallback), results exported."""
     if not origins["q"].on_gpu and not gpu_available():
         grads = _backward_cpu(*arrays.values(), problem)
     else:
@@ -454,10 +633,16 @@ def _attention_backward(
 
 
 def _backward_cpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
-    grads = reference.tiled_attention_backward(
-        dout, q, k, v, out, lse, causal=p.causal, scale=p.scale, block_mask=p.block_mask, window=p.window,
-        **_score_mod_options(p),
-    )
+    options = dict(causal=p.causal, scale=p.scale, window=p.window, **_score_mod_options(p))
+    if p.cu_seqlens is not None:
+        grads = reference.attention_varlen_backward(
+            dout, q, k, v, *p.cu_seqlens, out=out, lse=lse, backward=reference.tiled_attention_backward, **options
+        )
+    elif p.seqlens_k is not None:
+        grads = _per_batch_entry(lambda dout_b, q_b, out_b, lse_b, k_b, v_b, **kw: reference.tiled_attention_backward(
+            dout_b, q_b, k_b, v_b, out_b, lse_b, **kw), p, (dout, q, out, lse), (k, v), key_results=(1, 2), **options)
+    else:
+        grads = reference.tiled_attention_backward(dout, q, k, v, out, lse, block_mask=p.block_mask, **options)
     return tuple(g.astype(q.dtype) for g in grads)
 
 
@@ -465,7 +650,9 @@ def _backward_gpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
     import cupy
 
     with cupy.cuda.Device(q.device.id):
-        dq, dk, dv = (_empty(x.shape, x.dtype) for x in (q, k, v))
+        dq = _empty(q.shape, q.dtype)
+        # Padding keys (seqlens_k) are no block's to write: their gradient is 0.
+        dk, dv = ((cupy.zeros if p.seqlens_k is not None else _empty)(x.shape, x.dtype) for x in (k, v))
         launch_backward(dout, q, k, v, out, lse, dq, dk, dv, p)
     return dq, dk, dv
 
@@ -476,7 +663,7 @@ def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cor
         tensor_cores = tensor_cores_for(p, device_id)
     return _instantiations.bwd_kernels(
         p.dtype_name, p.head_dim, p.local, tensor_cores, large_shared_memory(device_id), p.block_mask is not None,
-        p.score_mod,
+        p.score_mod, p.varlen,
     )
 
 
@@ -492,17 +679,23 @@ def launch_backward(
         return
     device_id = q.device.id
     accum = _validation.lse_dtype(p.dtype_name)  # the kernels' accumulator type
-    lse_log2 = cupy.empty((p.batch, p.heads, p.seqlen_q), accum)
-    d = cupy.empty((p.batch, p.heads, p.seqlen_q), accum)
-    dq_accum = None if p.deterministic else cupy.zeros((p.batch, p.seqlen_q, p.heads, p.head_dim), accum)
+    lse_log2 = cupy.empty(p.heads * p.total_q, accum)  # row statistics, as _row_statistics_strides
+    d = cupy.empty(p.heads * p.total_q, accum)
+    dq_accum = None if p.deterministic else cupy.zeros((p.total_q, p.heads, p.head_dim), accum)
 
     fields = {"lse": lse.data.ptr, "lse_log2": lse_log2.data.ptr, "d": d.data.ptr, "scale": p.scale}
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         _pointer_and_strides(fields, name, x)
-    for axis, name in enumerate(("batch", "head", "row")):
-        fields[f"lse_{name}_stride"] = lse.strides[axis] // lse.dtype.itemsize
+    lse_strides = [stride // lse.dtype.itemsize for stride in lse.strides]
+    if p.cu_seqlens is not None:  # (heads, total_q): a sequence's first row stands for its batch index
+        lse_strides = [lse_strides[1], lse_strides[0], lse_strides[1]]
+    for name, stride in zip(("batch", "head", "row"), lse_strides):
+        fields[f"lse_{name}_stride"] = stride
+    fields["stats_batch_stride"], fields["stats_head_stride"] = _row_statistics_strides(p)
+    rows_per_batch = 1 if p.cu_seqlens is not None else p.seqlen_q
+    fields["dq_accum_batch_stride"] = rows_per_batch * p.heads * p.head_dim
     fields["dq_accum"] = 0 if dq_accum is None else dq_accum.data.ptr
-    slopes = _problem_fields(fields, p, device_id)  # noqa: F841 - alive until the launches are queued
+    keep_alive = _problem_fields(fields, p, device_id)  # noqa: F841 - until the launches are queued
     params = _params(_instantiations.BWD_PARAMS_DTYPE, fields)
 
     def launch(kernel):

@@ -50,7 +50,9 @@ class TileShape:
 # The traits table: tile shape by (accumulator bytes, padded head dim). The fastest shapes of a
 # sweep on an H200 (benchmarks/NOTES.md) among those whose shared memory fits an A100's 163 KiB
 # opt-in and whose registers do not spill (see `python -m cupyflash check-kernels`).
-def tile_shape(dtype_name: str, padded_head_dim: int) -> TileShape:
+def tile_shape(dtype_name: str, padded_head_dim: int, varlen: bool = False) -> TileShape:
+    """varlen: the variable-length kernel, whose float64 d64 tile spills 24 bytes at sm_90a in the
+    128 registers two blocks per SM leave (its sequence's lengths take registers): one block."""
     if accum_itemsize(dtype_name) == 4:
         if padded_head_dim <= 64:
             return TileShape(64, 32, num_warps=4, rows_per_thread=4, min_blocks_per_sm=2)
@@ -58,7 +60,7 @@ def tile_shape(dtype_name: str, padded_head_dim: int) -> TileShape:
             return TileShape(128, 32, num_warps=8, rows_per_thread=8, min_blocks_per_sm=1)
         return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=1)
     if padded_head_dim <= 64:
-        return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=2)
+        return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=1 if varlen else 2)
     if padded_head_dim <= 128:
         return TileShape(64, 16, num_warps=4, rows_per_thread=4, min_blocks_per_sm=2)
     return TileShape(32, 16, num_warps=4, rows_per_thread=4, min_blocks_per_sm=1)
@@ -74,12 +76,14 @@ def padded_head_dim(head_dim: int) -> int:
 class _TiledKernel:
     """What the tiled kernels share. Their traits' template arguments are the element type, the
     padded head dim and the tile shape's fields in declaration order; the kernel's are the traits,
-    local, block_sparse and, only when set, score_mod. local: the instantiation that skips and
-    masks outside a band of keys (causal, sliding-window attention, both); block_sparse: the one
-    that walks a block mask's lists (the dense one compiles to the same code as before block-sparse
-    attention existed); score_mod: softcap and ALiBi on the scores (always with local, whose band
-    also covers an unbanded problem). Subclasses give source_file, kernel_name, traits_name, tile,
-    smem_bytes, grid and block_sparse and score_mod fields."""
+    local, block_sparse and, only when set, score_mod and varlen. local: the instantiation that
+    skips and masks outside a band of keys (causal, sliding-window attention, both); block_sparse:
+    the one that walks a block mask's lists (the dense one compiles to the same code as before
+    block-sparse attention existed); score_mod: softcap and ALiBi on the scores (always with local,
+    whose band also covers an unbanded problem); varlen: variable-length batches (always with local
+    and score_mod, dense: one instantiation serves every varlen problem). Subclasses give
+    source_file, kernel_name, traits_name, tile, smem_bytes, grid and block_sparse, score_mod and
+    varlen fields."""
 
     per_kv_head = False  # grid over query heads (True: over K/V heads, the dK/dV kernels)
 
@@ -94,7 +98,7 @@ class _TiledKernel:
 
     @property
     def name_expression(self) -> str:
-        flags = (self.local, self.block_sparse) + ((True,) if self.score_mod else ())
+        flags = (self.local, self.block_sparse) + ((True,) if self.score_mod else ()) + ((True,) if self.varlen else ())
         flags = ", ".join("true" if flag else "false" for flag in flags)
         return f"cupyflash::{self.kernel_name}<{self.traits}, {flags}>"
 
@@ -116,6 +120,7 @@ class FwdKernel(_TiledKernel):
     tile_override: TileShape | None = None  # for tuning experiments; None: the traits table
     block_sparse: bool = False
     score_mod: bool = False
+    varlen: bool = False
 
     source_file = "flash_fwd.cu"
     kernel_name = "flash_fwd_kernel"
@@ -123,7 +128,7 @@ class FwdKernel(_TiledKernel):
 
     @property
     def tile(self) -> TileShape:
-        return self.tile_override or tile_shape(self.dtype_name, self.head_dim)
+        return self.tile_override or tile_shape(self.dtype_name, self.head_dim, self.varlen)
 
     @property
     def smem_bytes(self) -> int:
@@ -144,22 +149,34 @@ def _row_stride(dtype_name: str, columns: int) -> int:
 
 def fwd_kernel(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, block_sparse: bool = False,
-    score_mod: bool = False,
+    score_mod: bool = False, varlen: bool = False,
 ):
     """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), else
     FwdKernel; its local instantiation for causal or windowed attention, its block-sparse one with
-    block_sparse, its score-modifier one (softcap, ALiBi; local) with score_mod."""
+    block_sparse, its score-modifier one (softcap, ALiBi; local) with score_mod, its
+    variable-length one (local, score modifiers, dense) with varlen."""
     _check_tensor_core_dtype(dtype_name, tensor_cores)
     kind = TcFwdKernel if tensor_cores else FwdKernel
-    return kind(dtype_name, padded_head_dim(head_dim), bool(local or score_mod), block_sparse=bool(block_sparse),
-                score_mod=bool(score_mod))
+    local, sparse, mod, var = _variant_flags(local, block_sparse, score_mod, varlen)
+    return kind(dtype_name, padded_head_dim(head_dim), local, block_sparse=sparse, score_mod=mod, varlen=var)
+
+
+def _variant_flags(local, block_sparse, score_mod, varlen) -> tuple:
+    """(local, block_sparse=, score_mod=, varlen=) of the instantiation that serves a problem: the
+    score modifiers' includes local, the variable-length one both, and it has no block-sparse form."""
+    if varlen and block_sparse:
+        raise ValueError("variable-length batches have no block-sparse kernels")
+    local, mod = bool(local or score_mod or varlen), bool(score_mod or varlen)
+    return local, bool(block_sparse), mod, bool(varlen)
 
 
 def _variants():
-    """(local, block_sparse, score_mod) of every instantiation of a tiled kernel: score_mod only
-    with local, which keeps the score-modifier builds at half the others'."""
-    return [(local, sparse, mod) for local in (False, True) for sparse in (False, True)
-            for mod in ((False, True) if local else (False,))]
+    """(local, block_sparse, score_mod, varlen) of every instantiation of a tiled kernel: score_mod
+    only with local, which keeps the score-modifier builds at half the others'; varlen once, with
+    local and score_mod (one kernel serves every variable-length problem)."""
+    fixed = [(local, sparse, mod, False) for local in (False, True) for sparse in (False, True)
+             for mod in ((False, True) if local else (False,))]
+    return fixed + [(True, False, True, True)]
 
 
 def _check_tensor_core_dtype(dtype_name: str, tensor_cores: bool) -> None:
@@ -169,10 +186,10 @@ def _check_tensor_core_dtype(dtype_name: str, tensor_cores: bool) -> None:
 
 def all_fwd_kernels() -> list[FwdKernel]:
     return [
-        FwdKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod)
+        FwdKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var)
         for dtype_name in DTYPE_NAMES
         for d in PADDED_HEAD_DIMS
-        for local, sparse, mod in _variants()
+        for local, sparse, mod, var in _variants()
     ]
 
 
@@ -234,6 +251,7 @@ class BwdDkdvKernel(_TiledKernel):
     local: bool
     block_sparse: bool = False
     score_mod: bool = False
+    varlen: bool = False
 
     source_file = "flash_bwd.cu"
     kernel_name = "flash_bwd_dkdv_kernel"
@@ -270,6 +288,7 @@ class BwdDqKernel(_TiledKernel):
     local: bool
     block_sparse: bool = False
     score_mod: bool = False
+    varlen: bool = False
 
     source_file = "flash_bwd.cu"
     kernel_name = "flash_bwd_dq_kernel"
@@ -324,19 +343,23 @@ BWD_ROW_STEPS = ("preprocess", "convert_dq")
 
 def bwd_kernels(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, large_smem: bool = False,
-    block_sparse: bool = False, score_mod: bool = False,
+    block_sparse: bool = False, score_mod: bool = False, varlen: bool = False,
 ):
     """(dK/dV kernel, deterministic dQ kernel) for a problem; with tensor_cores (16-bit dtypes
     only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels, its dK/dV tile for
-    an H100's shared memory with large_smem (`tc_dkdv_tile_shape`); block_sparse and score_mod
-    as `fwd_kernel`."""
+    an H100's shared memory with large_smem (`tc_dkdv_tile_shape`); block_sparse, score_mod and
+    varlen as `fwd_kernel`."""
     _check_tensor_core_dtype(dtype_name, tensor_cores)
-    d, local, sparse, mod = padded_head_dim(head_dim), bool(local or score_mod), bool(block_sparse), bool(score_mod)
+    d = padded_head_dim(head_dim)
+    local, sparse, mod, var = _variant_flags(local, block_sparse, score_mod, varlen)
+    if tensor_cores and var and d == 224:
+        d = 256  # see tc_dkdv_tile_shape
     if tensor_cores:
-        return (TcBwdDkdvKernel(dtype_name, d, local, large_smem=large_smem, block_sparse=sparse, score_mod=mod),
-                TcBwdDqKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod))
-    return (BwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod),
-            BwdDqKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod))
+        return (TcBwdDkdvKernel(dtype_name, d, local, large_smem=large_smem, block_sparse=sparse, score_mod=mod,
+                                varlen=var),
+                TcBwdDqKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var))
+    return (BwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var),
+            BwdDqKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var))
 
 
 @functools.cache  # on every block-sparse call's path; it depends only on these two values
@@ -346,7 +369,9 @@ def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
     shared-memory table), so that each kernel tile lies in one mask block, whatever the GPU."""
     d = padded_head_dim(head_dim)
     kernels = []
-    for local, _, mod in _variants():
+    for local, _, mod, varlen in _variants():
+        if varlen:  # no block-sparse form
+            continue
         kernels += [fwd_kernel(dtype_name, d, local, block_sparse=True, score_mod=mod),
                     *bwd_kernels(dtype_name, d, local, block_sparse=True, score_mod=mod)]
         if dtype_name in TENSOR_CORE_DTYPES:
@@ -360,8 +385,8 @@ def all_bwd_kernels() -> list:
     kernels = [BwdRowKernel(step, dtype_name) for dtype_name in DTYPE_NAMES for step in BWD_ROW_STEPS]
     for dtype_name in DTYPE_NAMES:
         for d in PADDED_HEAD_DIMS:
-            for local, sparse, mod in _variants():
-                kernels += list(bwd_kernels(dtype_name, d, local, block_sparse=sparse, score_mod=mod))
+            for local, sparse, mod, var in _variants():
+                kernels += list(bwd_kernels(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var))
     return kernels
 
 
@@ -419,7 +444,8 @@ class TcBwdTileShape:
 # The traits table of the tensor-core kernels, by padded head dim. Every tile fits an A100's
 # 163 KiB of shared memory and compiles without spills (`python -m cupyflash check-kernels`).
 def tc_fwd_tile_shape(
-    padded_head_dim: int, block_sparse: bool = False, local: bool = False, score_mod: bool = False
+    padded_head_dim: int, block_sparse: bool = False, local: bool = False, score_mod: bool = False,
+    varlen: bool = False,
 ) -> TcTileShape:
     """block_sparse: the tile of the block-sparse instantiation, which keeps its tile list's
     state in registers beside the dense kernel's. At d128 the dense tile has none to spare (it
@@ -429,7 +455,10 @@ def tc_fwd_tile_shape(
     if padded_head_dim <= 64:
         return TcTileShape(128, 64 if block_sparse and local else 128, num_warps=4, min_blocks_per_sm=1)
     if padded_head_dim <= 128:
-        return TcTileShape(128, 32 if block_sparse else 64, num_warps=4, min_blocks_per_sm=1)
+        # The variable-length kernel at d128 spills 56 bytes with 64 keys (sm_90a): its sequence's
+        # lengths and band live in registers where the fixed-length kernel reads parameters.
+        narrow = block_sparse or (varlen and padded_head_dim > 96)
+        return TcTileShape(128, 32 if narrow else 64, num_warps=4, min_blocks_per_sm=1)
     if padded_head_dim <= 224:
         # The score-modifier kernel spills 32 bytes at d224 with 64 keys (sm_90a): 32.
         block_n = 32 if score_mod and padded_head_dim > 192 else 64
@@ -449,7 +478,8 @@ SMEM_H100 = 227 * 1024
 
 
 def tc_dkdv_tile_shape(
-    padded_head_dim: int, large_smem: bool = False, block_sparse: bool = False, score_mod: bool = False
+    padded_head_dim: int, large_smem: bool = False, block_sparse: bool = False, score_mod: bool = False,
+    varlen: bool = False,
 ) -> TcDkdvTileShape:
     """The dK/dV tile; large_smem: for a device with an H100's shared memory (dO double-buffered,
     and 64 queries per step above d192, dense only: the block-sparse kernel's tile list does not
@@ -469,6 +499,10 @@ def tc_dkdv_tile_shape(
     if padded_head_dim <= 192:
         return TcDkdvTileShape(64, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=1, min_blocks_per_sm=1)
     block_m = 64 if large_smem and not (block_sparse or score_mod) else 32
+    if varlen:
+        # The variable-length kernel spills 8 bytes at d256 (sm_90a): dK, dV in two column slices.
+        # (d224 has no such split of its warps' columns: its problems take this kernel, see bwd_kernels.)
+        return TcDkdvTileShape(32, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=2, min_blocks_per_sm=1)
     return TcDkdvTileShape(block_m, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=1, min_blocks_per_sm=1)
 
 
@@ -493,6 +527,7 @@ class _TcKernel(_TiledKernel):
     tile_override: TcTileShape | TcDkdvTileShape | TcBwdTileShape | None = None  # for tuning; None: the traits table
     block_sparse: bool = False
     score_mod: bool = False
+    varlen: bool = False
 
     @property
     def tile(self):
@@ -509,7 +544,8 @@ class TcFwdKernel(_TcKernel):
 
     @property
     def tile(self) -> TcTileShape:
-        return self.tile_override or tc_fwd_tile_shape(self.head_dim, self.block_sparse, self.local, self.score_mod)
+        return self.tile_override or tc_fwd_tile_shape(self.head_dim, self.block_sparse, self.local, self.score_mod,
+                                                         self.varlen)
 
     @property
     def smem_bytes(self) -> int:
@@ -536,7 +572,8 @@ class TcBwdDkdvKernel(_TcKernel):
 
     @property
     def tile(self) -> TcDkdvTileShape:
-        return self.tile_override or tc_dkdv_tile_shape(self.head_dim, self.large_smem, self.block_sparse, self.score_mod)
+        return self.tile_override or tc_dkdv_tile_shape(self.head_dim, self.large_smem, self.block_sparse, self.score_mod,
+                                                           self.varlen)
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and other.name_expression == self.name_expression
@@ -582,14 +619,15 @@ def uses_tensor_cores(dtype_name: str, compute_capability: int) -> bool:
 
 def all_tc_kernels() -> list:
     kernels = [
-        kind(dtype_name, d, local, block_sparse=sparse, score_mod=mod)
+        kind(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var)
         for dtype_name in TENSOR_CORE_DTYPES
         for d in PADDED_HEAD_DIMS
-        for local, sparse, mod in _variants()
+        for local, sparse, mod, var in _variants()
         for kind in (TcFwdKernel, TcBwdDkdvKernel, TcBwdDqKernel)
+        if not (var and d == 224 and kind is not TcFwdKernel)  # bwd_kernels takes d256's
     ]
     large = [TcBwdDkdvKernel(k.dtype_name, k.head_dim, k.local, large_smem=True, block_sparse=k.block_sparse,
-                             score_mod=k.score_mod)
+                             score_mod=k.score_mod, varlen=k.varlen)
              for k in kernels if isinstance(k, TcBwdDkdvKernel)]
     return kernels + [k for k in large if k not in kernels]
 
@@ -599,6 +637,9 @@ def all_tc_kernels() -> list:
 _MASK_FIELDS = [("mask_batch_stride", "i8"), ("mask_head_stride", "i8")] + [
     (name, "i4") for name in ("mask_q_blocks", "mask_k_blocks", "mask_block_q", "mask_block_k")
 ] + [("softcap_log2", "f8"), ("alibi_slopes", "u8"), ("alibi_batch_stride", "i8")]
+
+# Variable-length batches' pointers, last in both structs (zero: a fixed-length batch).
+_VARLEN_FIELDS = [("cu_seqlens_q", "u8"), ("cu_seqlens_k", "u8"), ("seqused_k", "u8")]
 
 # The problem's int fields, after the pointers and strides of both structs.
 _SHAPE_FIELDS = ("heads", "seqlen_q", "seqlen_k", "head_dim", "kv_group", "band_first", "band_last")
@@ -610,7 +651,9 @@ FWD_PARAMS_DTYPE = numpy.dtype(
     + [(name, "i4") for name in _SHAPE_FIELDS]
     + [("scale_log2", "f8")]
     + [("kv_block_count", "u8"), ("kv_block_index", "u8")]
-    + _MASK_FIELDS,
+    + _MASK_FIELDS
+    + [("lse_batch_stride", "i8"), ("lse_head_stride", "i8")]
+    + _VARLEN_FIELDS,
     align=True,
 )
 
@@ -622,7 +665,9 @@ BWD_PARAMS_DTYPE = numpy.dtype(
     + [(name, "i4") for name in _SHAPE_FIELDS]
     + [("scale", "f8"), ("scale_log2", "f8")]
     + [(name, "u8") for name in ("kv_block_count", "kv_block_index", "q_block_count", "q_block_index")]
-    + _MASK_FIELDS,
+    + _MASK_FIELDS
+    + [("stats_batch_stride", "i8"), ("stats_head_stride", "i8"), ("dq_accum_batch_stride", "i8")]
+    + _VARLEN_FIELDS,
     align=True,
 )
 

@@ -63,6 +63,24 @@ class AttentionProblem:
     # ALiBi slopes, (batch or 1, heads), NumPy or CuPy as given (checked by check_alibi_slopes); None:
     # none. Left out of == (arrays do not compare to a bool); nothing caches on problems.
     alibi_slopes: object = dataclasses.field(default=None, compare=False, repr=False)
+    # Variable-length batches (check_varlen_args): (cu_seqlens_q, cu_seqlens_k) as checked host int32
+    # arrays; batch is their number of sequences, seqlen_q/seqlen_k the longest (max_seqlen_*), and
+    # the arrays are packed (total, heads, head_dim). None: a fixed-length batch.
+    cu_seqlens: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
+    # Padded batches: the keys each batch entry uses, int32 (batch,), NumPy or CuPy
+    # (check_seqlens_k). None: all seqlen_k.
+    seqlens_k: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def varlen(self) -> bool:
+        """Whether sequences have their own lengths (packed, or padded keys): the kernels' varlen
+        instantiation, whose band is relative to each sequence's diagonal."""
+        return self.cu_seqlens is not None or self.seqlens_k is not None
+
+    @property
+    def total_q(self) -> int:
+        """Query rows: packed, the sum of the sequences' lengths; else batch·seqlen_q."""
+        return int(self.cu_seqlens[0][-1]) if self.cu_seqlens is not None else self.batch * self.seqlen_q
 
     @property
     def score_mod(self) -> bool:
@@ -98,9 +116,12 @@ class AttentionProblem:
 
     def kernel_band(self) -> tuple[int, int]:
         """(band_first, band_last): the first and last key query 0 sees, as the kernels take the
-        band (query i sees keys i + band_first .. i + band_last)."""
+        band (query i sees keys i + band_first .. i + band_last). Variable-length: relative to each
+        sequence's diagonal, which the kernels add (with seqlen_q, seqlen_k the longest sequence's,
+        the clamped sides still hide nothing in any sequence)."""
         left, right = self.kernel_window()
-        return self.seqlen_k - self.seqlen_q - left, self.seqlen_k - self.seqlen_q + right
+        diagonal = 0 if self.varlen else self.seqlen_k - self.seqlen_q
+        return diagonal - left, diagonal + right
 
 
 def check_attention_args(q, k, v, *, causal, scale, return_lse, window=None, softcap=None) -> AttentionProblem:
@@ -167,6 +188,88 @@ def check_attention_args(q, k, v, *, causal, scale, return_lse, window=None, sof
         window=window,
         softcap=softcap,
     )
+
+
+def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, return_lse,
+                      window=None, softcap=None) -> AttentionProblem:
+    """Validates attention_varlen's packed q (total_q, heads, head_dim), k, v (total_k, heads_kv,
+    head_dim) and cumulative sequence lengths (`check_cu_seqlens`). The problem is the padded one
+    (batch = sequences, seqlen_* = max_seqlen_*) with its cu_seqlens."""
+    for name, x, total in (("q", q, "total_q"), ("k", k, "total_k"), ("v", v, "total_k")):
+        if x.ndim != 3:
+            raise ValueError(
+                f"{name} must have 3 dimensions ({total}, heads, head_dim), the sequences packed one after the other "
+                f"(attention_varlen), got shape {tuple(x.shape)}"
+            )
+    cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    cu_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {len(cu_q)} and {len(cu_k)}"
+        )
+    lengths = {}
+    for name, cu, given in (("max_seqlen_q", cu_q, max_seqlen_q), ("max_seqlen_k", cu_k, max_seqlen_k)):
+        longest = int(numpy.diff(cu).max()) if len(cu) > 1 else 0
+        if given is None:
+            lengths[name] = longest
+            continue
+        given = check_count(given, name)
+        if given < longest:
+            raise ValueError(f"{name} must be at least the longest sequence's length {longest}, got {given}")
+        lengths[name] = given
+    try:  # the padded batch's checks (dtypes, head dims, GQA, strides, limits), on views
+        p = check_attention_args(q[None], k[None], v[None], causal=causal, scale=scale, return_lse=return_lse,
+                                 window=window, softcap=softcap)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("(batch, ", "(").replace("batch=1, ", "")) from None
+    batch = len(cu_q) - 1
+    if batch > _MAX_GRID_YZ:
+        raise ValueError(f"at most {_MAX_GRID_YZ} sequences (batch), got {batch}")
+    if lengths["max_seqlen_q"] + lengths["max_seqlen_k"] > _MAX_SEQLEN:
+        raise ValueError(f"max_seqlen_q + max_seqlen_k must be at most {_MAX_SEQLEN} (int32 band arithmetic)")
+    return dataclasses.replace(p, batch=batch, seqlen_q=lengths["max_seqlen_q"], seqlen_k=lengths["max_seqlen_k"],
+                               cu_seqlens=(cu_q, cu_k))
+
+
+def check_cu_seqlens(cu_seqlens, name: str, total: int) -> numpy.ndarray:
+    """cu_seqlens as a host int32 array: the cumulative sequence lengths [0, s_0, s_0 + s_1, ...,
+    total] (FlashAttention-2's layout), int32 (a list of ints is taken as such), one-dimensional,
+    non-decreasing from 0 to the packed array's length. A device array is copied to the host for
+    this check (a few bytes, but a synchronisation)."""
+    if isinstance(cu_seqlens, (list, tuple)):
+        if not all(isinstance(x, numbers.Integral) and not isinstance(x, (bool, numpy.bool_)) for x in cu_seqlens):
+            raise TypeError(f"{name} must be an int32 array or a list of ints, got {cu_seqlens!r}")
+        cu_seqlens = numpy.asarray(cu_seqlens, dtype=numpy.int64)
+        if cu_seqlens.size and (cu_seqlens.min() < -(2**31) or cu_seqlens.max() >= 2**31):
+            raise ValueError(f"{name}'s values must fit in int32")
+        cu_seqlens = cu_seqlens.astype(numpy.int32)
+    if not hasattr(cu_seqlens, "dtype") or not hasattr(cu_seqlens, "shape"):
+        raise TypeError(f"{name} must be an int32 array of shape (batch + 1,), got {type(cu_seqlens).__name__}")
+    if numpy.dtype(cu_seqlens.dtype) != numpy.int32:
+        raise TypeError(f"{name} must have dtype int32, as FlashAttention's cu_seqlens, got {cu_seqlens.dtype}")
+    if type(cu_seqlens).__module__.split(".")[0] == "cupy":
+        cu_seqlens = cu_seqlens.get()
+    cu = numpy.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1:
+        raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {cu[0]}")
+    if cu.size > 1 and (numpy.diff(cu) < 0).any():
+        at = int(numpy.flatnonzero(numpy.diff(cu) < 0)[0])
+        raise ValueError(f"{name} must be non-decreasing, got {cu[at]} then {cu[at + 1]} at positions {at}, {at + 1}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}'s last value must be the packed array's length {total}, got {cu[-1]}")
+    return numpy.ascontiguousarray(cu)
+
+
+def check_seqlens_k(seqlens_k, p: AttentionProblem) -> AttentionProblem:
+    """The problem with seqlens_k: the keys each batch entry uses (its first seqlens_k[b] of
+    seqlen_k; the rest is padding), as `_check_cache_seqlens` checks cache_seqlens."""
+    if seqlens_k is None:
+        return p
+    if p.block_mask is not None:
+        raise ValueError("seqlens_k cannot be combined with a block mask")
+    return dataclasses.replace(p, seqlens_k=_check_cache_seqlens(seqlens_k, p.batch, p.seqlen_k, 0, "seqlens_k"))
 
 
 def check_softcap(softcap) -> float | None:
@@ -246,23 +349,39 @@ def check_backward_args(
 ) -> AttentionProblem:
     """Validates the arguments of attention_backward (NumPy or CuPy arrays, already on one side)."""
     problem = check_attention_args(q, k, v, causal=causal, scale=scale, return_lse=False, window=window, softcap=softcap)
+    expected_lse = (problem.batch, problem.heads, problem.seqlen_q)
+    return _check_backward_extras(dout, q, out, lse, problem, expected_lse, "(batch, heads, seqlen_q)", deterministic)
+
+
+def check_varlen_backward_args(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                               causal, scale, deterministic, window=None, softcap=None) -> AttentionProblem:
+    """Validates the arguments of attention_varlen_backward: check_varlen_args', and dout, out of
+    q's packed shape, lse of shape (heads, total_q)."""
+    problem = check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                scale=scale, return_lse=False, window=window, softcap=softcap)
+    expected_lse = (problem.heads, problem.total_q)
+    return _check_backward_extras(dout, q, out, lse, problem, expected_lse, "(heads, total_q)", deterministic,
+                                  "attention_varlen")
+
+
+def _check_backward_extras(dout, q, out, lse, problem: AttentionProblem, expected_lse: tuple, lse_axes: str,
+                           deterministic, forward: str = "attention") -> AttentionProblem:
     for name, x in (("dout", dout), ("out", out)):
         if tuple(x.shape) != tuple(q.shape):
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
         _check_strides(x, name)
-    expected_lse = (problem.batch, problem.heads, problem.seqlen_q)
     if tuple(lse.shape) != expected_lse:
         raise ValueError(
-            f"lse must have shape (batch, heads, seqlen_q) = {expected_lse}, as attention(..., "
-            f"return_lse=True) returns it, got {tuple(lse.shape)}"
+            f"lse must have shape {lse_axes} = {expected_lse}, as {forward}(..., return_lse=True) returns it, got "
+            f"{tuple(lse.shape)}"
         )
     want = lse_dtype(problem.dtype_name)
     if lse.dtype != want:
         raise TypeError(
-            f"lse must be {want} for {problem.dtype_name} inputs, as attention(..., return_lse=True) "
-            f"returns it, got {lse.dtype}"
+            f"lse must be {want} for {problem.dtype_name} inputs, as {forward}(..., return_lse=True) returns it, got "
+            f"{lse.dtype}"
         )
     if lse.size and any(stride % lse.dtype.itemsize for stride in lse.strides):
         raise ValueError(f"lse's strides must be multiples of its itemsize {lse.dtype.itemsize}, got {lse.strides}")
@@ -431,7 +550,7 @@ def check_decode_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, causa
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             if isinstance(x, numpy.ndarray) and not x.flags.writeable:
                 raise ValueError(f"{name} is read-only; new keys are appended into it in place")
-    cache_seqlens = _check_cache_seqlens(cache_seqlens, batch, cache_len, seqlen_new)
+    cache_seqlens = _check_cache_seqlens(cache_seqlens, batch, cache_len, seqlen_new, "cache_seqlens")
     if num_splits is not None:
         num_splits = check_count(num_splits, "num_splits", 1)
         if num_splits > DECODE_MAX_SPLITS:
@@ -439,9 +558,9 @@ def check_decode_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, causa
     return DecodeProblem(p, seqlen_new, cache_seqlens, num_splits)
 
 
-def _check_cache_seqlens(cache_seqlens, batch: int, cache_len: int, seqlen_new: int):
-    """cache_seqlens as an int32 array of shape (batch,) on its own side (an int becomes a NumPy
-    array), or None; host values must leave room for the append."""
+def _check_cache_seqlens(cache_seqlens, batch: int, cache_len: int, seqlen_new: int, name: str):
+    """cache_seqlens (or seqlens_k, as `name` says) as an int32 array of shape (batch,) on its own
+    side (an int becomes a NumPy array), or None; host values must leave room for the append."""
     if cache_seqlens is None:
         return None
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, numpy.bool_)):
@@ -449,16 +568,17 @@ def _check_cache_seqlens(cache_seqlens, batch: int, cache_len: int, seqlen_new: 
     elif isinstance(cache_seqlens, (list, tuple)):
         cache_seqlens = numpy.asarray(cache_seqlens)
     if not hasattr(cache_seqlens, "dtype") or not hasattr(cache_seqlens, "shape"):
-        raise TypeError(f"cache_seqlens must be None, an int, or an integer array of shape (batch,), got {cache_seqlens!r}")
+        raise TypeError(f"{name} must be None, an int, or an integer array of shape (batch,), got {cache_seqlens!r}")
     if numpy.dtype(cache_seqlens.dtype).kind not in "iu":
-        raise TypeError(f"cache_seqlens must have an integer dtype (int32), got {cache_seqlens.dtype}")
+        raise TypeError(f"{name} must have an integer dtype (int32), got {cache_seqlens.dtype}")
     if tuple(cache_seqlens.shape) != (batch,):
-        raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
     if isinstance(cache_seqlens, numpy.ndarray):
         if batch and (cache_seqlens.min() < 0 or cache_seqlens.max() + seqlen_new > cache_len):
+            bound = (f"[0, cache_len - seqlen_new] = [0, {cache_len - seqlen_new}] (cache_len={cache_len}, "
+                     f"{seqlen_new} new keys)" if name == "cache_seqlens" else f"[0, seqlen_k] = [0, {cache_len}]")
             raise ValueError(
-                f"cache_seqlens must lie in [0, cache_len - seqlen_new] = [0, {cache_len - seqlen_new}] (cache_len="
-                f"{cache_len}, {seqlen_new} new keys), got values from {cache_seqlens.min()} to {cache_seqlens.max()}"
+                f"{name} must lie in {bound}, got values from {cache_seqlens.min()} to {cache_seqlens.max()}"
             )
         return numpy.ascontiguousarray(cache_seqlens, dtype=numpy.int32)
     # A CuPy array: its values used as given; the kernels read int32 lengths one after the other.

@@ -539,3 +539,53 @@ def tiled_attention_backward(
             dk[bs, col0 : col0 + cols, hs] = p.scale * dk_j
             dv[bs, col0 : col0 + cols, hs] = dv_j
     return dq, _sum_groups(dk, p.kv_group), _sum_groups(dv, p.kv_group)
+
+
+# --------------------------------------------------------------------------- variable-length batches
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    """Per sequence b of a packed batch: (its query rows, its key rows, its ALiBi slopes)."""
+    cu_q, cu_k = (numpy.asarray(_as_float64(cu)).astype(numpy.int64) for cu in (cu_seqlens_q, cu_seqlens_k))
+    slopes = None if alibi_slopes is None else _as_float64(alibi_slopes)
+    for b in range(len(cu_q) - 1):
+        row = None if slopes is None else (slopes if slopes.ndim == 1 or slopes.shape[0] == 1 else slopes[b])
+        yield slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), row
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse=False, forward=None, alibi_slopes=None,
+                     **options):
+    """Attention of a variable-length batch in float64, sequence by sequence: packed q
+    (total_q, heads, head_dim), k, v (total_k, heads_kv, head_dim) and FlashAttention-2's
+    cumulative lengths, semantics of `cupyflash.attention_varlen` (causal, windows and ALiBi
+    aligned to each sequence's own bottom-right corner). `forward` is the per-sequence function,
+    `attention` by default (`tiled_attention`, or a partial of `attention_in_precision`, also
+    serve); options go to it. Returns out (total_q, heads, head_dim) and, with return_lse, lse
+    (heads, total_q)."""
+    forward = forward or attention
+    q, k, v = (_as_float64(x) for x in (q, k, v))
+    out = numpy.zeros(q.shape)
+    lse = numpy.full((q.shape[1], q.shape[0]), -numpy.inf)
+    for rows, keys, slopes in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        o_b, lse_b = forward(q[None, rows], k[None, keys], v[None, keys], return_lse=True, alibi_slopes=slopes,
+                             **options)
+        out[rows], lse[:, rows] = o_b[0], lse_b[0]
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, out=None, lse=None, backward=None,
+                              alibi_slopes=None, **options):
+    """Gradients (dq, dk, dv) of a variable-length batch in float64, sequence by sequence, as
+    `attention_varlen`: `backward` is `attention_backward` by default (or a partial of
+    `attention_backward_in_precision`); `tiled_attention_backward` takes the forward's out and lse
+    (packed, as `attention_varlen` returns them), passed on per sequence when given."""
+    backward = backward or attention_backward
+    dout, q, k, v = (_as_float64(x) for x in (dout, q, k, v))
+    grads = [numpy.zeros(x.shape) for x in (q, k, v)]
+    for rows, keys, slopes in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        saved = () if out is None else (_as_float64(out)[None, rows], _as_float64(lse)[None, :, rows])
+        parts = backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], *saved, alibi_slopes=slopes,
+                         **options)
+        for grad, part, span in zip(grads, parts, (rows, keys, keys)):
+            grad[span] = part[0]
+    return tuple(grads)

@@ -19,7 +19,7 @@ import torch
 
 from cupyflash import _arrays, _attention
 
-__all__ = ["attention", "FlashAttentionFunction"]
+__all__ = ["attention", "attention_varlen", "FlashAttentionFunction", "FlashAttentionVarlenFunction"]
 
 
 def attention(
@@ -33,6 +33,17 @@ def attention(
     block_mask, `cupyflash.block_sparse_attention` and its backward. The ALiBi slopes (a tensor
     or array) get no gradient. Returns out only."""
     return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, block_mask, window, softcap, alibi_slopes)
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, scale=None,
+    deterministic=False, window=None, softcap=None, alibi_slopes=None,
+):
+    """`cupyflash.attention_varlen` for packed torch tensors (total, heads, head_dim) with int32
+    cu_seqlens tensors (or arrays), with `cupyflash.attention_varlen_backward` for autograd
+    (the lengths and ALiBi slopes get no gradient). Returns out only."""
+    return FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                              scale, deterministic, window, softcap, alibi_slopes)
 
 
 def _on_torch_stream(x):
@@ -73,3 +84,31 @@ class FlashAttentionFunction(torch.autograd.Function):
         with _on_torch_stream(q):
             dq, dk, dv = _attention._attention_backward(dout, q, k, v, out, lse, *ctx.options)
         return dq, dk, dv, None, None, None, None, None, None, None
+
+
+class FlashAttentionVarlenFunction(torch.autograd.Function):
+    """As FlashAttentionFunction, for `cupyflash.attention_varlen` and its backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, deterministic,
+                window, softcap, alibi_slopes):
+        q, k, v = (x.detach() for x in (q, k, v))
+        if isinstance(alibi_slopes, torch.Tensor):
+            alibi_slopes = alibi_slopes.detach()
+        cu_seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        options = dict(causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+        with _on_torch_stream(q):
+            out, lse = _attention.attention_varlen(q, k, v, *cu_seqlens, return_lse=True, **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cu_seqlens, ctx.options = cu_seqlens, dict(options, deterministic=deterministic)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = (x.detach() for x in ctx.saved_tensors)
+        dout = dout.detach()
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        with _on_torch_stream(q):
+            dq, dk, dv = _attention.attention_varlen_backward(dout, q, k, v, out, lse, *ctx.cu_seqlens, **ctx.options)
+        return (dq, dk, dv) + (None,) * 10

@@ -11,19 +11,23 @@
 namespace cupyflash {
 
 // Grid: (ceil(seqlen_q / kRowsPerBlock), heads, batch); one warp per query row.
+// Serves fixed- and variable-length batches alike (sequence_params with a runtime test: one row
+// per warp, memory-bound).
 template <typename Element, int kRowsPerBlock>
-__global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kernel(const BwdParams params) {
+__global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kernel(const BwdParams launch_params) {
     using Numeric = NumericTraits<Element>;
     using Accum = typename Numeric::Accum;
     using Storage = typename Numeric::Storage;
     const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
+    const int head_idx = blockIdx.y;
+    int q_batch, k_batch;
+    const BwdParams params = sequence_params<true>(launch_params, blockIdx.z, q_batch, k_batch);
     if (row >= params.seqlen_q) return;
 
-    const Storage* o = static_cast<const Storage*>(params.o) + batch_idx * params.o_batch_stride +
+    const Storage* o = static_cast<const Storage*>(params.o) + q_batch * params.o_batch_stride +
                        row * params.o_row_stride + head_idx * params.o_head_stride;
-    const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+    const Storage* dout = static_cast<const Storage*>(params.dout) + q_batch * params.dout_batch_stride +
                           row * params.dout_row_stride + head_idx * params.dout_head_stride;
     // Summed in double (one row per warp, memory-bound, so it costs nothing measurable): every
     // dS_ij of the row subtracts D_i, so its error would reach dQ_i coherently.
@@ -34,9 +38,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kerne
     for (int offset = 16; offset > 0; offset /= 2) dot += shfl_xor(dot, offset);
 
     if (lane == 0) {
-        const long long idx = row_vector_offset(params, batch_idx, head_idx) + row;
+        const long long idx = row_vector_offset(params, q_batch, head_idx) + row;
         static_cast<Accum*>(params.d)[idx] = static_cast<Accum>(dot);
-        const Accum lse = static_cast<const Accum*>(params.lse)[batch_idx * params.lse_batch_stride +
+        const Accum lse = static_cast<const Accum*>(params.lse)[q_batch * params.lse_batch_stride +
                                                                  head_idx * params.lse_head_stride +
                                                                  row * params.lse_row_stride];
         // A row that saw no key has lse = -inf and P_ij = 0; +inf makes exp2(s - lse) exactly 0
@@ -49,9 +53,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kerne
 // Grid: (ceil(seqlen_k / kBlockN), K/V heads, batch). Block: Bt::kNThreads. Shared memory: Bt::kSmemBytes.
 // With GQA/MQA the block walks the query blocks of every query head of its K/V head's group in
 // turn, so dK_j, dV_j sum over the group on chip, in a fixed order, with no K/V copy.
-// kScoreMod: softcap and ALiBi, as in the forward (instantiated with kIsLocal only).
-template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
-__global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_dkdv_kernel(const BwdParams params) {
+// kScoreMod: softcap and ALiBi, as in the forward (instantiated with kIsLocal only); kVarlen: a
+// variable-length batch, as in the forward.
+template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
+__global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_dkdv_kernel(const BwdParams launch_params) {
     using G = typename Bt::KeyGrid;     // keys x queries, keys x head dim
     using QG = typename Bt::QueryGrid;  // queries x head dim
     using Accum = typename Bt::Accum;
@@ -73,12 +78,15 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
     const int ty = threadIdx.x / G::kColGroups;
     const int tx = threadIdx.x % G::kColGroups;
     const int col0 = n_block * Bt::kBlockN;
+    int q_batch, k_batch;
+    const BwdParams params = sequence_params<kVarlen>(launch_params, batch_idx, q_batch, k_batch);
+    if (kVarlen && col0 >= params.seqlen_k) return;  // past this sequence's end
     const int keys_valid = min(Bt::kBlockN, params.seqlen_k - col0);
     const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
 
-    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+    const Storage* k = static_cast<const Storage*>(params.k) + k_batch * params.k_batch_stride +
                        kv_head * params.k_head_stride + col0 * params.k_row_stride;
-    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+    const Storage* v = static_cast<const Storage*>(params.v) + k_batch * params.v_batch_stride +
                        kv_head * params.v_head_stride + col0 * params.v_row_stride;
 
     // K_j and V_j stay on chip for the whole loop (Algorithm 2, line 6).
@@ -92,11 +100,11 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
 
     for (int g = 0; g < params.kv_group; ++g) {
         const int head_idx = kv_head * params.kv_group + g;
-        const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+        const Storage* q = static_cast<const Storage*>(params.q) + q_batch * params.q_batch_stride +
                            head_idx * params.q_head_stride;
-        const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+        const Storage* dout = static_cast<const Storage*>(params.dout) + q_batch * params.dout_batch_stride +
                               head_idx * params.dout_head_stride;
-        const long long vec_offset = row_vector_offset(params, batch_idx, head_idx);
+        const long long vec_offset = row_vector_offset(params, q_batch, head_idx);
         const Accum* lse_log2 = static_cast<const Accum*>(params.lse_log2) + vec_offset;
         const Accum* d = static_cast<const Accum*>(params.d) + vec_offset;
         const auto mod = score_mod<kScoreMod, Accum>(params, batch_idx, head_idx);
@@ -171,16 +179,16 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
                 Accum dQ[QG::kRowsPerThread][QG::kOColsPerThread];
                 zero_tile<QG>(dQ);
                 accumulate_pv<QG>(dQ, sdS, sK, qy, qx);  // dQ_i += dS_ij K_j  (line 15)
-                atomic_add_dq<QG>(params, dQ, batch_idx, head_idx, row0, qy, qx);
+                atomic_add_dq<QG>(params, dQ, q_batch, head_idx, row0, qy, qx);
             }
         }
     }
 
     // dK_j = scale · sum_i dS_ij^T Q_i = ln(2) · sum_i dS_ij^T (scale·log2(e) Q_i); dV_j as summed.
     // Written once (lines 18-19).
-    Storage* dk = static_cast<Storage*>(params.dk) + batch_idx * params.dk_batch_stride +
+    Storage* dk = static_cast<Storage*>(params.dk) + k_batch * params.dk_batch_stride +
                   kv_head * params.dk_head_stride + col0 * params.dk_row_stride;
-    Storage* dv = static_cast<Storage*>(params.dv) + batch_idx * params.dv_batch_stride +
+    Storage* dv = static_cast<Storage*>(params.dv) + k_batch * params.dv_batch_stride +
                   kv_head * params.dv_head_stride + col0 * params.dv_row_stride;
     store_tile<G>(dk, params.dk_row_stride, keys_valid, params.head_dim, dK, static_cast<Accum>(kLn2), ty, tx);
     store_tile<G>(dv, params.dv_row_stride, keys_valid, params.head_dim, dV, Accum(1), ty, tx);
@@ -189,8 +197,8 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Dt::kNThreads. Shared memory: Dt::kSmemBytes.
 // The forward's loop with dQ_i = scale · sum_j dS_ij K_j in place of O_i = sum_j P_ij V_j: each dQ_i
 // is summed by one thread block in a fixed order, so the result is the same bits every run.
-template <typename Dt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
-__global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_kernel(const BwdParams params) {
+template <typename Dt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
+__global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_kernel(const BwdParams launch_params) {
     using Accum = typename Dt::Accum;
     using Storage = typename Dt::Storage;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -206,26 +214,29 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     const int ty = threadIdx.x / Dt::kColGroups;
     const int tx = threadIdx.x % Dt::kColGroups;
     const int row0 = m_block * Dt::kBlockM;
+    int q_batch, k_batch;
+    const BwdParams params = sequence_params<kVarlen>(launch_params, batch_idx, q_batch, k_batch);
+    if (kVarlen && row0 >= params.seqlen_q) return;  // past this sequence's end
     const int rows_valid = min(Dt::kBlockM, params.seqlen_q - row0);
     const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
 
     const auto key_blocks = key_tiles<Dt::kBlockN, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
     const int kv_head = head_idx / params.kv_group;
 
-    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+    const Storage* q = static_cast<const Storage*>(params.q) + q_batch * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
-    const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+    const Storage* dout = static_cast<const Storage*>(params.dout) + q_batch * params.dout_batch_stride +
                           head_idx * params.dout_head_stride + row0 * params.dout_row_stride;
-    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+    const Storage* k = static_cast<const Storage*>(params.k) + k_batch * params.k_batch_stride +
                        kv_head * params.k_head_stride;
-    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+    const Storage* v = static_cast<const Storage*>(params.v) + k_batch * params.v_batch_stride +
                        kv_head * params.v_head_stride;
     // Prescaled as in the forward: the same scores, bit for bit (see flash_bwd_dkdv_kernel).
     load_tile<Dt, Dt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim, scale_log2);
     load_tile<Dt, Dt::kBlockM>(sdO, dout, params.dout_row_stride, rows_valid, params.head_dim, Accum(1));
 
     // This thread's rows' lse_i (log2 units) and D_i, in registers for the whole loop.
-    const long long vec_offset = row_vector_offset(params, batch_idx, head_idx);
+    const long long vec_offset = row_vector_offset(params, q_batch, head_idx);
     Accum lse2[Dt::kRowsPerThread], D[Dt::kRowsPerThread];
 #pragma unroll
     for (int i = 0; i < Dt::kRowsPerThread; ++i) {
@@ -274,26 +285,27 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
         accumulate_tile_sum<Dt>(dQ, sdS, sK, ty, tx);
     }
 
-    Storage* dq = static_cast<Storage*>(params.dq) + batch_idx * params.dq_batch_stride +
+    Storage* dq = static_cast<Storage*>(params.dq) + q_batch * params.dq_batch_stride +
                   head_idx * params.dq_head_stride + row0 * params.dq_row_stride;
     store_tile<Dt>(dq, params.dq_row_stride, rows_valid, params.head_dim, dQ, static_cast<Accum>(params.scale), ty, tx);
 }
 
 // Grid: (ceil(seqlen_q / kRowsPerBlock), heads, batch); one warp per query row.
 // dq = the atomically summed workspace, rounded once to the input dtype.
+// Fixed- and variable-length batches alike, as the preprocess kernel.
 template <typename Element, int kRowsPerBlock>
-__global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_convert_dq_kernel(const BwdParams params) {
+__global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_convert_dq_kernel(const BwdParams launch_params) {
     using Numeric = NumericTraits<Element>;
     using Accum = typename Numeric::Accum;
     using Storage = typename Numeric::Storage;
     const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
+    const int head_idx = blockIdx.y;
+    int q_batch, k_batch;
+    const BwdParams params = sequence_params<true>(launch_params, blockIdx.z, q_batch, k_batch);
     if (row >= params.seqlen_q) return;
-    const Accum* dq_accum = static_cast<const Accum*>(params.dq_accum) +
-                            ((static_cast<long long>(batch_idx) * params.seqlen_q + row) * params.heads + head_idx) *
-                                params.head_dim;
-    Storage* dq = static_cast<Storage*>(params.dq) + batch_idx * params.dq_batch_stride +
+    const Accum* dq_accum = static_cast<const Accum*>(params.dq_accum) + dq_accum_offset(params, q_batch, row, head_idx);
+    Storage* dq = static_cast<Storage*>(params.dq) + q_batch * params.dq_batch_stride +
                   row * params.dq_row_stride + head_idx * params.dq_head_stride;
     for (int c = lane; c < params.head_dim; c += 32) dq[c] = Numeric::from_accum(dq_accum[c]);
 }

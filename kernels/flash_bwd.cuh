@@ -22,11 +22,12 @@ struct BwdParams {
     void* dq;          // [batch, seqlen_q, heads, head_dim]
     void* dk;          // [batch, seqlen_k, heads, head_dim]
     void* dv;          // [batch, seqlen_k, heads, head_dim]
-    // [batch, seqlen_q, heads, head_dim], contiguous Accum, zeroed: dQ summed by atomics across key
-    // blocks (already multiplied by scale). nullptr in deterministic mode.
+    // [batch, seqlen_q, heads, head_dim] (batch stride dq_accum_batch_stride), Accum, zeroed: dQ summed
+    // by atomics across key blocks (already multiplied by scale). nullptr in deterministic mode.
     void* dq_accum;
-    void* lse_log2;    // [batch, heads, seqlen_q], contiguous Accum: lse_i·log2(e); +inf for rows with no key
-    void* d;           // [batch, heads, seqlen_q], contiguous Accum: D_i = rowsum(dO_i ∘ O_i)
+    // Row statistics, [batch, heads, seqlen_q] (strides stats_*_stride; rows contiguous), Accum:
+    void* lse_log2;    // lse_i·log2(e); +inf for rows with no key
+    void* d;           // D_i = rowsum(dO_i ∘ O_i)
     // Strides in elements.
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
@@ -57,6 +58,11 @@ struct BwdParams {
     double softcap_log2;           // score modifiers, as in FwdParams
     const void* alibi_slopes;
     long long alibi_batch_stride;
+    long long stats_batch_stride, stats_head_stride;  // of lse_log2 and d
+    long long dq_accum_batch_stride;                  // dq_accum's rows: heads * head_dim apart
+    const int* cu_seqlens_q;  // variable-length batches, as in FwdParams
+    const int* cu_seqlens_k;
+    const int* seqused_k;
 };
 
 // The query tiles of kBlockM that see the key tile [key0, key0 + keys_valid) (the dK/dV kernel's
@@ -81,9 +87,15 @@ __device__ __forceinline__ TileSequence<kIsBlockSparse> query_tiles(const BwdPar
     }
 }
 
-// Offset of row `row` of (batch, head) in a [batch, heads, seqlen_q] contiguous vector.
+// Offset of row 0 of (batch, head) in the row statistics lse_log2 and d.
 __device__ __forceinline__ long long row_vector_offset(const BwdParams& params, int batch_idx, int head_idx) {
-    return (static_cast<long long>(batch_idx) * params.heads + head_idx) * params.seqlen_q;
+    return batch_idx * params.stats_batch_stride + head_idx * params.stats_head_stride;
+}
+
+// Offset of (batch, row, head) in the dQ workspace dq_accum.
+__device__ __forceinline__ long long dq_accum_offset(const BwdParams& params, int batch_idx, int row, int head_idx) {
+    return batch_idx * params.dq_accum_batch_stride +
+           (static_cast<long long>(row) * params.heads + head_idx) * params.head_dim;
 }
 
 // Transposed mask for a tile of S^T (rows: keys from key0, columns: queries from query0): -inf
@@ -190,8 +202,7 @@ __device__ __forceinline__ void atomic_add_dq(
     for (int i = 0; i < Grid::kRowsPerThread; ++i) {
         const int row = row0 + ty * Grid::kRowsPerThread + i;
         if (row >= params.seqlen_q) continue;
-        Accum* dq_row = dq_accum + ((static_cast<long long>(batch_idx) * params.seqlen_q + row) * params.heads +
-                                    head_idx) * params.head_dim;
+        Accum* dq_row = dq_accum + dq_accum_offset(params, batch_idx, row, head_idx);
 #pragma unroll
         for (int jc = 0; jc < Grid::kOChunks; ++jc)
 #pragma unroll

@@ -67,9 +67,8 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned s
     if (wn >= Bt::kDqWarpsN) return;
     const int dq_row0 = q_row0 + wm * Bt::kDqMTiles * 16, dq_col0 = col_out0 + wn * Bt::kDqCols;
     const long long dq_row_stride = static_cast<long long>(params.heads) * params.head_dim;
-    float* dq_accum = static_cast<float*>(params.dq_accum) +
-                      (static_cast<long long>(batch_idx) * params.seqlen_q * params.heads + head_idx) * params.head_dim +
-                      dq_row0 * dq_row_stride + dq_col0;
+    float* dq_accum = static_cast<float*>(params.dq_accum) + dq_accum_offset(params, batch_idx, dq_row0, head_idx) +
+                      dq_col0;
     constexpr int kChunk = Bt::kDqChunk;
 #pragma unroll 1
     for (int c = 0; c < Bt::kDqCols; c += kChunk) {
@@ -85,10 +84,11 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned s
 // Grid: (ceil(seqlen_k / kBlockN) · kOutSplit, K/V heads, batch). Block: Bt::kNThreads.
 // Shared memory: Bt::kSmemBytes. With GQA/MQA the block walks the query blocks of each query head
 // of its K/V head's group in turn (as the scalar kernel): dK_j, dV_j sum over the group on chip.
-// kScoreMod: softcap and ALiBi, as in the forward (instantiated with kIsLocal only).
-template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
+// kScoreMod: softcap and ALiBi, as in the forward (instantiated with kIsLocal only); kVarlen: a
+// variable-length batch, as in the forward.
+template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
-    flash_bwd_dkdv_tc_kernel(const BwdParams params) {
+    flash_bwd_dkdv_tc_kernel(const BwdParams launch_params) {
     using Storage = typename Bt::Storage;
     using Op = typename Bt::Op;
     constexpr int kStride = Bt::kStride, kPStride = Bt::kPStride;
@@ -113,11 +113,14 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const int warp_keys = wk * Bt::kWarpKeys, warp_queries = wq * Bt::kWarpQueries;
     const int warp_cols = col_out0 + wq * Bt::kWarpCols;
     const int key0 = n_block * Bt::kBlockN;
+    int q_batch, k_batch;
+    const BwdParams params = sequence_params<kVarlen>(launch_params, batch_idx, q_batch, k_batch);
+    if (kVarlen && key0 >= params.seqlen_k) return;  // past this sequence's end
     const int keys_valid = min(Bt::kBlockN, params.seqlen_k - key0);
 
-    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+    const Storage* k = static_cast<const Storage*>(params.k) + k_batch * params.k_batch_stride +
                        kv_head * params.k_head_stride + key0 * params.k_row_stride;
-    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+    const Storage* v = static_cast<const Storage*>(params.v) + k_batch * params.v_batch_stride +
                        kv_head * params.v_head_stride + key0 * params.v_row_stride;
     load_tile_async<Bt, Bt::kBlockN>(sK, k, params.k_row_stride, keys_valid, params.head_dim);
     load_tile_async<Bt, Bt::kBlockN>(sV, v, params.v_row_stride, keys_valid, params.head_dim);
@@ -144,8 +147,8 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
         int t = m_blocks > 0 ? query_blocks.begin + n_block % m_blocks : 0;
         const auto after = [&](int t) { return t + 1 < query_blocks.end ? t + 1 : query_blocks.begin; };
         if (m_blocks > 0) {
-            load_query_block<Bt>(params, sQ, sLse2, sD, batch_idx, head_idx, query_blocks[t] * Bt::kBlockM);
-            load_dout_block<Bt>(params, sdO, batch_idx, head_idx, query_blocks[t] * Bt::kBlockM);
+            load_query_block<Bt>(params, sQ, sLse2, sD, q_batch, head_idx, query_blocks[t] * Bt::kBlockM);
+            load_dout_block<Bt>(params, sdO, q_batch, head_idx, query_blocks[t] * Bt::kBlockM);
         }
         cp_async_commit();
 
@@ -162,10 +165,10 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             const unsigned sdO_i = sdO + (Bt::kDoBuffers == 2 ? buf : 0) * Bt::kBlockM * kStride * 2;
             if (has_next) {
                 load_query_block<Bt>(params, sQ + (1 - buf) * Bt::kBlockM * kStride * 2,
-                                     sLse2 + (1 - buf) * Bt::kBlockM, sD + (1 - buf) * Bt::kBlockM, batch_idx,
+                                     sLse2 + (1 - buf) * Bt::kBlockM, sD + (1 - buf) * Bt::kBlockM, q_batch,
                                      head_idx, next_row0);
                 if (Bt::kDoBuffers == 2)
-                    load_dout_block<Bt>(params, sdO + (1 - buf) * Bt::kBlockM * kStride * 2, batch_idx, head_idx,
+                    load_dout_block<Bt>(params, sdO + (1 - buf) * Bt::kBlockM * kStride * 2, q_batch, head_idx,
                                         next_row0);
             }
             cp_async_commit();
@@ -264,7 +267,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             if (Bt::kDoBuffers == 1) {
                 mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
                 __syncthreads();  // every warp is done with dO_i
-                if (has_next) load_dout_block<Bt>(params, sdO, batch_idx, head_idx, next_row0);
+                if (has_next) load_dout_block<Bt>(params, sdO, q_batch, head_idx, next_row0);
                 cp_async_commit();
             }
 
@@ -274,20 +277,20 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             // would queue up in the load/store unit.
             const bool dq_first = warp % 8 < 4;
             if (params.dq_accum != nullptr && dq_first)
-                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, batch_idx, head_idx, warp, lane);
+                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane);
             if (Bt::kDoBuffers == 2) mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
             mma_other_queries<Bt>(dK, sdSt_warp, sQ_i, wq, warp_cols, lane);
             if (params.dq_accum != nullptr && !dq_first)
-                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, batch_idx, head_idx, warp, lane);
+                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane);
         }
         __syncthreads();  // every warp is done with this head's last Q_i, dO_i before the next head's land
     }
     cp_async_wait<0>();  // nothing may still be landing when the block exits
 
     const int warp_key0 = key0 + warp_keys;
-    Storage* dk = static_cast<Storage*>(params.dk) + batch_idx * params.dk_batch_stride +
+    Storage* dk = static_cast<Storage*>(params.dk) + k_batch * params.dk_batch_stride +
                   kv_head * params.dk_head_stride + warp_key0 * params.dk_row_stride + warp_cols;
-    Storage* dv = static_cast<Storage*>(params.dv) + batch_idx * params.dv_batch_stride +
+    Storage* dv = static_cast<Storage*>(params.dv) + k_batch * params.dv_batch_stride +
                   kv_head * params.dv_head_stride + warp_key0 * params.dv_row_stride + warp_cols;
     store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
                                           params.head_dim - warp_cols, dK, static_cast<float>(params.scale), f);
@@ -297,8 +300,8 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
 
 // Grid: (ceil(seqlen_q / kBlockM) · kOutSplit, heads, batch). Block: Dt::kNThreads.
 // Shared memory: Dt::kSmemBytes.
-template <typename Dt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
-__global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_tc_kernel(const BwdParams params) {
+template <typename Dt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
+__global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_dq_tc_kernel(const BwdParams launch_params) {
     using Storage = typename Dt::Storage;
     using Op = typename Dt::Op;
     constexpr int kOutTiles = Dt::kHeadDimOut / 8;
@@ -314,24 +317,27 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const Fragment f(lane);
     const int row0 = m_block * Dt::kBlockM;
+    int q_batch, k_batch;
+    const BwdParams params = sequence_params<kVarlen>(launch_params, batch_idx, q_batch, k_batch);
+    if (kVarlen && row0 >= params.seqlen_q) return;  // past this sequence's end
     const int rows_valid = min(Dt::kBlockM, params.seqlen_q - row0);
     const int warp_row0 = row0 + warp * Dt::kWarpRows;
 
     const auto key_blocks = key_tiles<Dt::kBlockN, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
     const int kv_head = head_idx / params.kv_group;
 
-    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+    const Storage* q = static_cast<const Storage*>(params.q) + q_batch * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
-    const Storage* dout = static_cast<const Storage*>(params.dout) + batch_idx * params.dout_batch_stride +
+    const Storage* dout = static_cast<const Storage*>(params.dout) + q_batch * params.dout_batch_stride +
                           head_idx * params.dout_head_stride + row0 * params.dout_row_stride;
-    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+    const Storage* k = static_cast<const Storage*>(params.k) + k_batch * params.k_batch_stride +
                        kv_head * params.k_head_stride;
-    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+    const Storage* v = static_cast<const Storage*>(params.v) + k_batch * params.v_batch_stride +
                        kv_head * params.v_head_stride;
 
     // This thread's rows' lse_i·log2(e) and D_i; rows past seqlen_q get P = 0 (lse = +inf).
     float lse2[Dt::kMTiles][2], d_i[Dt::kMTiles][2];
-    const long long row_stats = row_vector_offset(params, batch_idx, head_idx);
+    const long long row_stats = row_vector_offset(params, q_batch, head_idx);
 #pragma unroll
     for (int mt = 0; mt < Dt::kMTiles; ++mt)
 #pragma unroll
@@ -435,7 +441,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     }
     cp_async_wait<0>();
 
-    Storage* dq = static_cast<Storage*>(params.dq) + batch_idx * params.dq_batch_stride +
+    Storage* dq = static_cast<Storage*>(params.dq) + q_batch * params.dq_batch_stride +
                   head_idx * params.dq_head_stride + warp_row0 * params.dq_row_stride + col_out0;
     store_fragments<typename Dt::Element>(dq, params.dq_row_stride, params.seqlen_q - warp_row0,
                                           params.head_dim - col_out0, dQ, static_cast<float>(params.scale), f);

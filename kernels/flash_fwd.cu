@@ -10,8 +10,10 @@ namespace cupyflash {
 // Dynamic shared memory: Kt::kSmemBytes.
 // kScoreMod: softcap and ALiBi (ScoreMod) on every score; instantiated with kIsLocal only, whose
 // band arithmetic covers the unmasked problem too (a band as wide as the score matrix).
-template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
-__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_kernel(const FwdParams params) {
+// kVarlen: a variable-length batch (sequence_params; with kIsLocal and kScoreMod only), the grid
+// covering its longest sequence.
+template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_kernel(const FwdParams launch_params) {
     using Accum = typename Kt::Accum;
     using Storage = typename Kt::Storage;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -26,17 +28,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     const int ty = threadIdx.x / Kt::kColGroups;
     const int tx = threadIdx.x % Kt::kColGroups;
     const int row0 = m_block * Kt::kBlockM;
+    int q_batch, k_batch;
+    const FwdParams params = sequence_params<kVarlen>(launch_params, batch_idx, q_batch, k_batch);
+    if (kVarlen && row0 >= params.seqlen_q) return;  // past this sequence's end
     const int rows_valid = min(Kt::kBlockM, params.seqlen_q - row0);
 
     // Key blocks K_j, V_j this query block visits (those in its band, or the mask's).
     const auto key_blocks = key_tiles<Kt::kBlockN, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
     const int kv_head = head_idx / params.kv_group;
 
-    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+    const Storage* q = static_cast<const Storage*>(params.q) + q_batch * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
-    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+    const Storage* k = static_cast<const Storage*>(params.k) + k_batch * params.k_batch_stride +
                        kv_head * params.k_head_stride;
-    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+    const Storage* v = static_cast<const Storage*>(params.v) + k_batch * params.v_batch_stride +
                        kv_head * params.v_head_stride;
 
     // Q_i stays on chip for the whole loop, prescaled so that S_ij comes out in log2 units.
@@ -83,7 +88,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         accumulate_pv<Kt>(O, sP, sV, ty, tx);
     }
 
-    epilogue<Kt>(params, O, m, l, batch_idx, head_idx, row0, ty, tx);
+    epilogue<Kt>(params, O, m, l, q_batch, head_idx, row0, ty, tx);
 }
 
 }  // namespace cupyflash

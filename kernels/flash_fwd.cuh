@@ -15,7 +15,7 @@ struct FwdParams {
     const void* k;  // [batch, seqlen_k, heads, head_dim], likewise
     const void* v;  // [batch, seqlen_k, heads, head_dim], likewise
     void* o;        // [batch, seqlen_q, heads, head_dim]
-    void* lse;      // [batch, heads, seqlen_q], contiguous, Accum (float32; float64 for float64), natural log
+    void* lse;      // [batch, heads, seqlen_q] (lse_*_stride), Accum (float32; float64 for float64), natural log
     // Strides in elements. 64-bit: batch * seqlen * heads * head_dim passes 2^31 easily.
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
@@ -43,6 +43,11 @@ struct FwdParams {
     double softcap_log2;           // softcap·log2(e); 0: no softcap
     const void* alibi_slopes;      // [batch or 1][heads], contiguous Accum: ALiBi slopes; nullptr: none
     long long alibi_batch_stride;  // 0: one row of slopes for every batch entry
+    long long lse_batch_stride, lse_head_stride;  // lse's strides in elements (its rows: 1)
+    // Variable-length batches (kVarlen instantiations only; see sequence_params). nullptr: unused.
+    const int* cu_seqlens_q;  // [batch + 1]: sequence b's queries are the packed rows cu_seqlens_q[b]..[b+1]-1
+    const int* cu_seqlens_k;  // [batch + 1]: likewise its keys
+    const int* seqused_k;     // [batch]: sequence b sees its first seqused_k[b] keys only (padded batches)
 };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T x[N]; };
@@ -53,6 +58,37 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
 }
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// The sequence that batch entry batch_idx is, in a variable-length batch (FlashAttention-2's varlen
+// layout): its queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of packed
+// [total, heads, head_dim] arrays, its keys likewise, or (seqused_k, a padded batch) the first
+// seqused_k[b] keys of its row of the batch. Returns the parameters with this sequence's seqlen_q,
+// seqlen_k and band, which the host gives relative to the diagonal (band_first = -left) as every
+// sequence has its own; q_batch and k_batch become what the addresses take as the batch index:
+// the first packed row, the host having set each packed array's batch stride to its row stride.
+// Fixed-length kernels (kVarlen false) get the launch's parameters and the batch index unchanged.
+template <bool kVarlen, typename Params>
+__device__ __forceinline__ Params sequence_params(const Params& launch, int batch_idx, int& q_batch, int& k_batch) {
+    q_batch = k_batch = batch_idx;
+    if constexpr (!kVarlen) {
+        return launch;
+    } else {
+        Params params = launch;
+        if (params.cu_seqlens_q != nullptr) {
+            q_batch = params.cu_seqlens_q[batch_idx];
+            params.seqlen_q = params.cu_seqlens_q[batch_idx + 1] - q_batch;
+        }
+        if (params.cu_seqlens_k != nullptr) {
+            k_batch = params.cu_seqlens_k[batch_idx];
+            params.seqlen_k = params.cu_seqlens_k[batch_idx + 1] - k_batch;
+        }
+        if (params.seqused_k != nullptr) params.seqlen_k = max(0, min(params.seqused_k[batch_idx], params.seqlen_k));
+        const int diagonal = params.seqlen_k - params.seqlen_q;
+        params.band_first += diagonal;
+        params.band_last += diagonal;
+        return params;
+    }
+}
 
 // Local attention's band, aligned to the bottom-right corner of the score matrix like causal:
 // query i sees the keys i + band_first <= j <= i + band_last, where band_first = seqlen_k -
@@ -430,8 +466,8 @@ __device__ __forceinline__ void epilogue(
                                   ? static_cast<Accum>(static_cast<double>(m[i]) * kLn2 + log(static_cast<double>(l_row)))
                                   : neg_inf<Accum>();
             // Kept in Accum precision: the backward pass recomputes P_ij = exp(S_ij - lse_i) from it.
-            static_cast<Accum*>(params.lse)[(static_cast<long long>(batch_idx) * params.heads + head_idx) *
-                                                params.seqlen_q + row] = lse;
+            static_cast<Accum*>(params.lse)[batch_idx * params.lse_batch_stride + head_idx * params.lse_head_stride +
+                                            row] = lse;
         }
     }
 }

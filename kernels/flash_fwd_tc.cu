@@ -15,8 +15,8 @@ template <typename Kt>
 __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
                                          const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
                                          int batch_idx, int head_idx, int warp_row0, const Fragment& f) {
-    float* lse = static_cast<float*>(params.lse) +
-                 (static_cast<long long>(batch_idx) * params.heads + head_idx) * params.seqlen_q;
+    float* lse = static_cast<float*>(params.lse) + batch_idx * params.lse_batch_stride +
+                 head_idx * params.lse_head_stride;
 #pragma unroll
     for (int mt = 0; mt < Kt::kMTiles; ++mt)
 #pragma unroll
@@ -45,8 +45,9 @@ __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads. Shared memory: Kt::kSmemBytes.
 // kScoreMod: softcap and ALiBi (ScoreMod) on every score; instantiated with kIsLocal only, whose
 // band arithmetic covers the unmasked problem too (a band as wide as the score matrix).
-template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false>
-__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_tc_kernel(const FwdParams params) {
+// kVarlen: a variable-length batch (sequence_params; with kIsLocal and kScoreMod only).
+template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_tc_kernel(const FwdParams launch_params) {
     using Storage = typename Kt::Storage;
     using Op = typename Kt::Op;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -61,6 +62,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const Fragment f(lane);
     const int row0 = m_block * Kt::kBlockM;
+    int q_batch, k_batch;
+    const FwdParams params = sequence_params<kVarlen>(launch_params, batch_idx, q_batch, k_batch);
+    if (kVarlen && row0 >= params.seqlen_q) return;  // past this sequence's end
     const int rows_valid = min(Kt::kBlockM, params.seqlen_q - row0);
     const int warp_row0 = row0 + warp * Kt::kWarpRows;
 
@@ -68,11 +72,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     const auto key_blocks = key_tiles<Kt::kBlockN, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, row0, rows_valid);
     const int kv_head = head_idx / params.kv_group;
 
-    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride +
+    const Storage* q = static_cast<const Storage*>(params.q) + q_batch * params.q_batch_stride +
                        head_idx * params.q_head_stride + row0 * params.q_row_stride;
-    const Storage* k = static_cast<const Storage*>(params.k) + batch_idx * params.k_batch_stride +
+    const Storage* k = static_cast<const Storage*>(params.k) + k_batch * params.k_batch_stride +
                        kv_head * params.k_head_stride;
-    const Storage* v = static_cast<const Storage*>(params.v) + batch_idx * params.v_batch_stride +
+    const Storage* v = static_cast<const Storage*>(params.v) + k_batch * params.v_batch_stride +
                        kv_head * params.v_head_stride;
 
     float O[Kt::kMTiles][Kt::kHeadDim / 8][4];
@@ -137,7 +141,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         gemm_ab_rs<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles / 2, Kt::kStride>(O, P, sV, lane);
     }
 
-    epilogue_tc<Kt>(params, O, m, l, batch_idx, head_idx, warp_row0, f);
+    epilogue_tc<Kt>(params, O, m, l, q_batch, head_idx, warp_row0, f);
 }
 
 }  // namespace cupyflash

@@ -38,8 +38,9 @@ def test_every_instantiation_compiles_without_spills(arch, dtype_name, source_fi
 
 def test_instantiation_list_covers_every_dtype_head_dim_and_causal_setting():
     kernels = _instantiations.all_fwd_kernels()
-    # dense, causal x block-sparse, and the score-modifier (softcap, ALiBi) kernels with causal's band
-    assert len(set(kernels)) == len(kernels) == 4 * len(_instantiations.PADDED_HEAD_DIMS) * 6
+    # dense, causal x block-sparse, the score-modifier (softcap, ALiBi) kernels with causal's band, and
+    # the variable-length one (band, score modifiers, dense)
+    assert len(set(kernels)) == len(kernels) == 4 * len(_instantiations.PADDED_HEAD_DIMS) * 7
     everything = _instantiations.all_kernels()
     assert len(set(everything)) == len(everything)
     for dtype_name in _instantiations.DTYPE_NAMES:
@@ -136,8 +137,8 @@ def test_check_kernels_command(tmp_path):
     cmd = [sys.executable, "-m", "cupyflash", "check-kernels", "--arch", "sm_80", "--dtype", "float64"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
     assert done.returncode == 0, done.stdout + done.stderr
-    # 54 forward, 108 + 2 backward (dense, block-sparse, score modifiers), 9 + 2 decoding
-    assert "175 of 175 kernel builds compiled; 0 spill" in done.stdout
+    # 63 forward, 126 + 2 backward (dense, block-sparse, score modifiers, varlen), 9 + 2 decoding
+    assert "202 of 202 kernel builds compiled; 0 spill" in done.stdout
     assert "cupyflash::FwdTraits<double, 256" in done.stdout
     assert "cupyflash::BwdDkdvTraits<double, 256" in done.stdout
 
