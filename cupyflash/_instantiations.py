@@ -50,9 +50,11 @@ class TileShape:
 # The traits table: tile shape by (accumulator bytes, padded head dim). The fastest shapes of a
 # sweep on an H200 (benchmarks/NOTES.md) among those whose shared memory fits an A100's 163 KiB
 # opt-in and whose registers do not spill (see `python -m cupyflash check-kernels`).
-def tile_shape(dtype_name: str, padded_head_dim: int, varlen: bool = False) -> TileShape:
+def tile_shape(dtype_name: str, padded_head_dim: int, varlen: bool = False, one_block: bool = False) -> TileShape:
     """varlen: the variable-length kernel, whose float64 d64 tile spills 24 bytes at sm_90a in the
-    128 registers two blocks per SM leave (its sequence's lengths take registers): one block."""
+    128 registers two blocks per SM leave (its sequence's lengths take registers): one block.
+    one_block: likewise (the block-sparse score-modifier kernel: 8 bytes at sm_80)."""
+    varlen = varlen or one_block
     if accum_itemsize(dtype_name) == 4:
         if padded_head_dim <= 64:
             return TileShape(64, 32, num_warps=4, rows_per_thread=4, min_blocks_per_sm=2)
@@ -128,7 +130,8 @@ class FwdKernel(_TiledKernel):
 
     @property
     def tile(self) -> TileShape:
-        return self.tile_override or tile_shape(self.dtype_name, self.head_dim, self.varlen)
+        return self.tile_override or tile_shape(self.dtype_name, self.head_dim, self.varlen,
+                                                self.block_sparse and self.score_mod)
 
     @property
     def smem_bytes(self) -> int:
