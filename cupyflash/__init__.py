@@ -3,7 +3,7 @@
 `attention` and `attention_backward` take arrays of any of these frameworks (and
 `block_sparse_attention` / `block_sparse_attention_backward` with a `BlockMask`, and
 `attention_decode` for KV-cache decoding, `attention_varlen` / `attention_varlen_backward` for
-packed variable-length batches); `cupyflash.torch`
+packed variable-length batches; `dropout_mask` for the keep mask of their dropout); `cupyflash.torch`
 and `cupyflash.jax` wrap them as differentiable functions (torch.autograd / jax.custom_vjp).
 
 Tiled CUDA kernels (kernels/*.cu, compiled at run time through CuPy's NVRTC) compute exact
@@ -19,6 +19,7 @@ from cupyflash._attention import (
     attention_varlen_backward,
     block_sparse_attention,
     block_sparse_attention_backward,
+    dropout_mask,
     gpu_available,
 )
 from cupyflash._block_mask import BlockMask
@@ -33,6 +34,7 @@ __all__ = [
     "attention_varlen_backward",
     "block_sparse_attention",
     "block_sparse_attention_backward",
+    "dropout_mask",
     "gpu_available",
     "reference",
 ]

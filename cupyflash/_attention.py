@@ -7,7 +7,7 @@ import functools
 
 import numpy
 
-from cupyflash import _arrays, _instantiations, _validation, reference
+from cupyflash import _arrays, _dropout, _instantiations, _validation, reference
 
 
 def gpu_available() -> bool:
@@ -19,7 +19,8 @@ def gpu_available() -> bool:
 
 
 def attention(
-    q, k, v, *, causal=False, scale=None, return_lse=False, window=None, softcap=None, alibi_slopes=None, seqlens_k=None
+    q, k, v, *, causal=False, scale=None, return_lse=False, window=None, softcap=None, alibi_slopes=None, seqlens_k=None,
+    dropout_p=0.0, seed=None, offset=0,
 ):
     """Exact softmax attention, computed with FlashAttention-2's tiled online softmax.
 
@@ -80,6 +81,18 @@ def attention(
         seqlens_k[b]); the rest is never read. An integer array on the host (checked: 0 <= s <=
         seqlen_k) or on q's GPU (used as given, clamped to [0, seqlen_k]), or an int. For packed
         batches with no padding at all, see `attention_varlen`.
+    dropout_p : float
+        Dropout on the attention probabilities (training): each P_ij is kept with probability
+        1 - dropout_p and scaled by 1 / (1 - dropout_p), out = (P ∘ Z / (1 - dropout_p)) V; lse
+        stays that of P. The keep mask Z comes from a counter-based generator (Philox4x32-10) in
+        the kernels, a function of (seed, offset, batch, head, query, key) alone: it is never
+        stored, the backward regenerates it, and `cupyflash.dropout_mask` materialises it.
+        dropout_p takes effect at 2^-32 resolution. Default 0: no dropout.
+    seed : int in [0, 2**64), required when dropout_p > 0
+        The generator's key: the same seed and offset give the same mask (pass both again to
+        `attention_backward`).
+    offset : int in [0, 2**32)
+        A second stream selector (e.g. the training step), so one seed serves many calls.
 
     Returns
     -------
@@ -117,11 +130,13 @@ def attention(
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
-    return _attention(q, k, v, causal, scale, return_lse, None, window, softcap, alibi_slopes, seqlens_k)
+    return _attention(q, k, v, causal, scale, return_lse, None, window, softcap, alibi_slopes, seqlens_k,
+                      (dropout_p, seed, offset))
 
 
 def block_sparse_attention(
-    q, k, v, block_mask, *, causal=False, scale=None, return_lse=False, window=None, softcap=None, alibi_slopes=None
+    q, k, v, block_mask, *, causal=False, scale=None, return_lse=False, window=None, softcap=None, alibi_slopes=None,
+    dropout_p=0.0, seed=None, offset=0,
 ):
     """Block-sparse FlashAttention (FlashAttention, §3.3, Algorithm 5): `attention` restricted to
     the nonzero blocks of `block_mask`.
@@ -135,8 +150,8 @@ def block_sparse_attention(
 
     Parameters
     ----------
-    q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes : as `attention` (a
-        window applies on top of the mask: a key is visible when both keep it)
+    q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p, seed, offset :
+        as `attention` (a window applies on top of the mask: a key is visible when both keep it)
     block_mask : cupyflash.BlockMask
         Of shape (heads or 1, ceil(seqlen_q / block_q), ceil(seqlen_k / block_k)), optionally
         with a leading batch axis (batch or 1). Its block size must be a whole number of the
@@ -157,11 +172,13 @@ def block_sparse_attention(
     >>> out.shape
     (1, 256, 2, 16)
     """
-    return _attention(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes)
+    return _attention(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes, None,
+                      (dropout_p, seed, offset))
 
 
 def _attention(
-    q, k, v, causal, scale, return_lse, block_mask, window=None, softcap=None, alibi_slopes=None, seqlens_k=None
+    q, k, v, causal, scale, return_lse, block_mask, window=None, softcap=None, alibi_slopes=None, seqlens_k=None,
+    dropout=(0.0, None, 0),
 ):
     given = {"q": q, "k": k, "v": v}
     arrays, origins = _ingest_arrays(given)
@@ -173,6 +190,7 @@ def _attention(
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem)
     problem = _validation.check_seqlens_k(_ingest_side_array(seqlens_k, "seqlens_k", origins["q"]), problem)
+    problem = _validation.check_dropout(*dropout, problem)
     return _run_forward(arrays, origins, problem)
 
 
@@ -222,9 +240,10 @@ def _ingest_side_array(x, name: str, q_origin: _arrays.Origin):
 
 
 def _score_mod_options(p: _validation.AttentionProblem) -> dict:
-    """The reference's softcap and alibi_slopes arguments for the problem."""
+    """The reference's softcap, alibi_slopes and dropout arguments for the problem."""
     slopes = p.alibi_slopes
-    return {"softcap": p.softcap, "alibi_slopes": None if slopes is None else reference._as_float64(slopes)}
+    return {"softcap": p.softcap, "alibi_slopes": None if slopes is None else reference._as_float64(slopes),
+            "dropout_p": p.dropout_p, "seed": p.seed, "offset": p.offset}
 
 
 def _forward_cpu(q, k, v, p: _validation.AttentionProblem):
@@ -248,7 +267,7 @@ def _per_batch_entry(function, p: _validation.AttentionProblem, q_side, k_side, 
     for b, keys in enumerate(numpy.asarray(p.seqlens_k)):
         row = None if slopes is None else slopes[b if slopes.shape[0] > 1 else 0]
         parts = list(function(*(x[b : b + 1] for x in q_side), *(x[b : b + 1, :keys] for x in k_side),
-                              alibi_slopes=row, **options))
+                              alibi_slopes=row, dropout_batch_start=b, **options))
         for i in key_results:
             parts[i] = numpy.pad(parts[i], [(0, 0), (0, p.seqlen_k - keys)] + [(0, 0)] * (parts[i].ndim - 2))
         results.append(parts)
@@ -302,6 +321,9 @@ def _problem_fields(fields: dict, p: _validation.AttentionProblem, device_id: in
     fields["scale_log2"] = p.scale * reference.LOG2E
     _mask_fields(fields, p.block_mask, device_id)
     fields["softcap_log2"] = 0.0 if p.softcap is None else p.softcap * reference.LOG2E
+    fields["dropout_seed"], fields["dropout_offset"] = p.seed, p.offset
+    fields["dropout_threshold"] = _dropout.threshold(p.dropout_p)
+    fields["dropout_rescale"] = _dropout.rescale(p.dropout_p)
     return _slopes_fields(fields, p), _varlen_fields(fields, p)
 
 
@@ -422,7 +444,7 @@ def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
     return _instantiations.fwd_kernel(
-        p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None, p.score_mod, p.varlen
+        p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None, p.modified, p.varlen
     )
 
 
@@ -441,12 +463,70 @@ def launch_forward(q, k, v, out, lse, p: _validation.AttentionProblem, kernel=No
     _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params)
 
 
+# --------------------------------------------------------------------------- dropout
+
+
+def dropout_mask(batch, heads, seqlen_q, seqlen_k, *, dropout_p, seed, offset=0, device=None):
+    """The keep mask Z that attention with ``dropout_p, seed, offset`` applies: True where the
+    probability P[b, h, i, j] is kept (and scaled by 1 / (1 - dropout_p)), False where dropped.
+
+    Materialises what the kernels regenerate tile by tile, for tests and for checking a small
+    problem: ``out = (softmax(S) * Z / (1 - dropout_p)) @ V`` per (batch, head). Element (i, j) of
+    (b, h) depends on (seed, offset, b, h, i, j) only, not on the sequence lengths, so the mask of
+    a shorter problem is a corner of a longer one's, and a variable-length batch's sequence b has
+    ``dropout_mask(...)[b, :, :len_q, :len_k]``. With GQA/MQA, h is the query head.
+
+    Parameters
+    ----------
+    batch, heads, seqlen_q, seqlen_k : int
+        The attention problem's sizes (heads: query heads).
+    dropout_p, seed, offset : as `attention`.
+    device : bool, optional
+        True: generated on the GPU by the kernels' own code, returned as a CuPy array; False:
+        by the NumPy mirror of that generator (the same bits), returned as NumPy; None
+        (default): the GPU when one is available.
+
+    Returns
+    -------
+    bool array of shape (batch, heads, seqlen_q, seqlen_k).
+
+    Example
+    -------
+    >>> import cupyflash
+    >>> keep = cupyflash.dropout_mask(1, 2, 3, 5, dropout_p=0.25, seed=7, device=False)
+    >>> keep.shape, keep.dtype
+    ((1, 2, 3, 5), dtype('bool'))
+    """
+    sizes = [_validation.check_count(x, name) for x, name in
+             ((batch, "batch"), (heads, "heads"), (seqlen_q, "seqlen_q"), (seqlen_k, "seqlen_k"))]
+    if max(sizes[:2]) > _validation._MAX_GRID_YZ:
+        raise ValueError(f"batch and heads must each be at most {_validation._MAX_GRID_YZ}, got {sizes[0]}, {sizes[1]}")
+    dropout_p, seed, offset = _validation.check_dropout_args(dropout_p, seed, offset)
+    if device is not None:
+        device = _validation.check_flag(device, "device")
+    on_gpu = gpu_available() if device is None else device
+    if not on_gpu:
+        return _dropout.keep_mask_numpy(*sizes, dropout_p, seed, offset)
+    import cupy
+
+    keep = cupy.empty(sizes, dtype=cupy.uint8)
+    if keep.size:
+        kernel = _instantiations.DropoutMaskKernel()
+        fields = dict.fromkeys(_instantiations.FWD_PARAMS_DTYPE.names, 0)
+        fields.update(o=keep.data.ptr, heads=sizes[1], seqlen_q=sizes[2], seqlen_k=sizes[3], dropout_seed=seed,
+                      dropout_offset=offset, dropout_threshold=_dropout.threshold(dropout_p),
+                      dropout_rescale=_dropout.rescale(dropout_p))
+        params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
+        _launch(kernel, keep.device.id, kernel.grid(sizes[0], sizes[1], sizes[2], sizes[3]), params)
+    return keep.view(cupy.bool_)
+
+
 # --------------------------------------------------------------------------- variable-length batches
 
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, scale=None,
-    return_lse=False, window=None, softcap=None, alibi_slopes=None,
+    return_lse=False, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
 ):
     """Attention over a batch of sequences of different lengths, packed one after the other with no
     padding (FlashAttention-2's varlen layout, as ``flash_attn_varlen_func``).
@@ -470,6 +550,8 @@ def attention_varlen(
         The longest sequence's length (at least that; default: computed from cu_seqlens).
     causal, scale, window, softcap, alibi_slopes : as `attention`, per sequence; alibi_slopes of
         shape (heads,) or (batch, heads).
+    dropout_p, seed, offset : as `attention`; sequence b's mask is that of batch entry b of a
+        fixed-length batch (`dropout_mask(batch, ...)[b, :, :len_q, :len_k]`).
 
     Returns
     -------
@@ -497,12 +579,13 @@ def attention_varlen(
         causal=causal, scale=scale, return_lse=return_lse, window=window, softcap=softcap,
     )
     problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), problem)
+    problem = _validation.check_dropout(dropout_p, seed, offset, problem)
     return _run_forward(arrays, origins, problem)
 
 
 def attention_varlen_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
-    scale=None, deterministic=False, window=None, softcap=None, alibi_slopes=None,
+    scale=None, deterministic=False, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
 ):
     """Gradients of `attention_varlen`: `attention_backward` for each packed sequence.
 
@@ -517,6 +600,7 @@ def attention_varlen_backward(
         causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap,
     )
     problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), problem)
+    problem = _validation.check_dropout(dropout_p, seed, offset, problem)
     return _run_backward(arrays, origins, problem)
 
 
@@ -530,7 +614,7 @@ def _ingest_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q_origin: _arrays.Origin) -> 
 
 def attention_backward(
     dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic=False, window=None, softcap=None,
-    alibi_slopes=None, seqlens_k=None,
+    alibi_slopes=None, seqlens_k=None, dropout_p=0.0, seed=None, offset=0,
 ):
     """Gradients of attention: FlashAttention-2's backward pass, recomputing P from the saved lse.
 
@@ -548,8 +632,9 @@ def attention_backward(
     lse : array, shape (batch, heads, seqlen_q), float32 (float64 for float64 inputs)
         The forward's log-sum-exp; any strides.
     causal, scale, window, softcap, alibi_slopes, seqlens_k : as given to the forward (same
-        bottom-right alignment; padding keys get dk = dv = 0). With a softcap, dq and dk carry its derivative 1 - tanh^2; the slopes get no
-        gradient (they are constants, as in flash-attn).
+        bottom-right alignment; padding keys get dk = dv = 0). With a softcap, dq and dk carry its
+        derivative 1 - tanh^2; the slopes get no gradient (they are constants, as in flash-attn).
+    dropout_p, seed, offset : as given to the forward: the kernels regenerate its dropout mask.
     deterministic : bool
         False (default): dq is summed across key blocks with float32 atomic adds, whose order
         varies, so the last bits of dq can differ from run to run. True: dq comes from a
@@ -584,13 +669,14 @@ def attention_backward(
     ((1, 5, 2, 16), dtype('float32'))
     """
     return _attention_backward(
-        dout, q, k, v, out, lse, causal, scale, deterministic, None, window, softcap, alibi_slopes, seqlens_k
+        dout, q, k, v, out, lse, causal, scale, deterministic, None, window, softcap, alibi_slopes, seqlens_k,
+        (dropout_p, seed, offset),
     )
 
 
 def block_sparse_attention_backward(
     dout, q, k, v, out, lse, block_mask, *, causal=False, scale=None, deterministic=False, window=None, softcap=None,
-    alibi_slopes=None,
+    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
 ):
     """Gradients of `block_sparse_attention`: `attention_backward` over the nonzero blocks of
     `block_mask` only (pass the mask and options the forward had). The dK/dV pass walks, per key
@@ -599,13 +685,14 @@ def block_sparse_attention_backward(
     that see no key get dq = 0. Arguments, results and errors as `attention_backward`, and the
     mask as `block_sparse_attention`."""
     return _attention_backward(
-        dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window, softcap, alibi_slopes
+        dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window, softcap, alibi_slopes, None,
+        (dropout_p, seed, offset),
     )
 
 
 def _attention_backward(
     dout, q, k, v, out, lse, causal, scale, deterministic, block_mask, window=None, softcap=None, alibi_slopes=None,
-    seqlens_k=None,
+    seqlens_k=None, dropout=(0.0, None, 0),
 ):
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     arrays, origins = _ingest_arrays(given)
@@ -616,6 +703,7 @@ def _attention_backward(
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem)
     problem = _validation.check_seqlens_k(_ingest_side_array(seqlens_k, "seqlens_k", origins["q"]), problem)
+    problem = _validation.check_dropout(*dropout, problem)
     return _run_backward(arrays, origins, problem)
 
 
@@ -663,7 +751,7 @@ def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cor
         tensor_cores = tensor_cores_for(p, device_id)
     return _instantiations.bwd_kernels(
         p.dtype_name, p.head_dim, p.local, tensor_cores, large_shared_memory(device_id), p.block_mask is not None,
-        p.score_mod, p.varlen,
+        p.modified, p.varlen,
     )
 
 

@@ -196,6 +196,29 @@ def all_fwd_kernels() -> list[FwdKernel]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class DropoutMaskKernel:
+    """kernels/flash_fwd.cu's flash_dropout_mask_kernel: dropout's keep mask as bytes, one thread per
+    (query, key), for `cupyflash.dropout_mask`."""
+
+    num_threads: int = 256
+
+    source_file = "flash_fwd.cu"
+    smem_bytes = 0
+    dtype_name = "uint8"
+    per_kv_head = False
+
+    @property
+    def name_expression(self) -> str:
+        return f"cupyflash::flash_dropout_mask_kernel<{self.num_threads}>"
+
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q * seqlen_k / self.num_threads), heads, batch)
+
+    def host_checks(self) -> str:
+        return ""
+
+
 # --------------------------------------------------------------------------- backward
 
 
@@ -231,7 +254,9 @@ def dkdv_tile_shape(dtype_name: str, padded_head_dim: int, block_sparse: bool = 
 
 
 # The deterministic dQ kernel: the forward's tile plus dO_i in shared memory.
-def dq_tile_shape(dtype_name: str, padded_head_dim: int) -> TileShape:
+def dq_tile_shape(dtype_name: str, padded_head_dim: int, varlen: bool = False) -> TileShape:
+    """varlen: the variable-length kernel, whose float64 d64 tile spills 12 bytes at sm_80 with
+    dropout's per-element keep test in the 128 registers two blocks per SM leave: one block."""
     if accum_itemsize(dtype_name) == 4:
         if padded_head_dim <= 64:
             return TileShape(64, 32, num_warps=4, rows_per_thread=4, min_blocks_per_sm=2)
@@ -239,7 +264,7 @@ def dq_tile_shape(dtype_name: str, padded_head_dim: int) -> TileShape:
             return TileShape(64, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=1)
         return TileShape(32, 32, num_warps=8, rows_per_thread=4, min_blocks_per_sm=1)
     if padded_head_dim <= 64:
-        return TileShape(32, 32, num_warps=8, rows_per_thread=2, min_blocks_per_sm=2)
+        return TileShape(32, 32, num_warps=8, rows_per_thread=2, min_blocks_per_sm=1 if varlen else 2)
     if padded_head_dim <= 128:
         return TileShape(32, 16, num_warps=4, rows_per_thread=4, min_blocks_per_sm=1)
     return TileShape(16, 16, num_warps=4, rows_per_thread=2, min_blocks_per_sm=1)
@@ -299,7 +324,7 @@ class BwdDqKernel(_TiledKernel):
 
     @property
     def tile(self) -> TileShape:
-        return dq_tile_shape(self.dtype_name, self.head_dim)
+        return dq_tile_shape(self.dtype_name, self.head_dim, self.varlen)
 
     @property
     def smem_bytes(self) -> int:
@@ -396,7 +421,7 @@ def all_bwd_kernels() -> list:
 def all_kernels(arch: str | None = None) -> list:
     """Every instantiation: what `check-kernels` and the CPU compile tests build; with arch
     (e.g. "sm_80", "sm_90a"), those that can run on it (`runs_on`)."""
-    kernels = all_fwd_kernels() + all_bwd_kernels() + all_tc_kernels() + all_decode_kernels()
+    kernels = all_fwd_kernels() + [DropoutMaskKernel()] + all_bwd_kernels() + all_tc_kernels() + all_decode_kernels()
     return kernels if arch is None else [k for k in kernels if runs_on(k, arch)]
 
 
@@ -644,6 +669,10 @@ _MASK_FIELDS = [("mask_batch_stride", "i8"), ("mask_head_stride", "i8")] + [
 # Variable-length batches' pointers, last in both structs (zero: a fixed-length batch).
 _VARLEN_FIELDS = [("cu_seqlens_q", "u8"), ("cu_seqlens_k", "u8"), ("seqused_k", "u8")]
 
+# Dropout's, after those (zero: no dropout, dropout_rescale 1).
+_DROPOUT_FIELDS = [("dropout_seed", "u8"), ("dropout_offset", "u4"), ("dropout_threshold", "u4"),
+                   ("dropout_rescale", "f8")]
+
 # The problem's int fields, after the pointers and strides of both structs.
 _SHAPE_FIELDS = ("heads", "seqlen_q", "seqlen_k", "head_dim", "kv_group", "band_first", "band_last")
 
@@ -656,7 +685,8 @@ FWD_PARAMS_DTYPE = numpy.dtype(
     + [("kv_block_count", "u8"), ("kv_block_index", "u8")]
     + _MASK_FIELDS
     + [("lse_batch_stride", "i8"), ("lse_head_stride", "i8")]
-    + _VARLEN_FIELDS,
+    + _VARLEN_FIELDS
+    + _DROPOUT_FIELDS,
     align=True,
 )
 
@@ -670,7 +700,8 @@ BWD_PARAMS_DTYPE = numpy.dtype(
     + [(name, "u8") for name in ("kv_block_count", "kv_block_index", "q_block_count", "q_block_index")]
     + _MASK_FIELDS
     + [("stats_batch_stride", "i8"), ("stats_head_stride", "i8"), ("dq_accum_batch_stride", "i8")]
-    + _VARLEN_FIELDS,
+    + _VARLEN_FIELDS
+    + _DROPOUT_FIELDS,
     align=True,
 )
 

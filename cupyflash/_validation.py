@@ -13,6 +13,7 @@ import re
 
 import numpy
 
+from cupyflash import _dropout
 from cupyflash._instantiations import DECODE_MAX_SPLITS, MAX_HEAD_DIM, block_mask_granularity
 
 try:  # bfloat16 arrays in NumPy and CuPy are ml_dtypes' bfloat16
@@ -70,6 +71,10 @@ class AttentionProblem:
     # Padded batches: the keys each batch entry uses, int32 (batch,), NumPy or CuPy
     # (check_seqlens_k). None: all seqlen_k.
     seqlens_k: object = dataclasses.field(default=None, compare=False, repr=False)
+    # Dropout on the probabilities (check_dropout): probability, Philox seed and offset; 0: none.
+    dropout_p: float = 0.0
+    seed: int = 0
+    offset: int = 0
 
     @property
     def varlen(self) -> bool:
@@ -84,8 +89,18 @@ class AttentionProblem:
 
     @property
     def score_mod(self) -> bool:
-        """Whether the scores are modified (softcap, ALiBi): the kernels' score_mod instantiation."""
+        """Whether the scores are modified (softcap, ALiBi); see `modified` for the kernels."""
         return self.softcap is not None or self.alibi_slopes is not None
+
+    @property
+    def dropout(self) -> bool:
+        """Whether probabilities are dropped (p at the kernels' 2^-32 resolution is above 0)."""
+        return _dropout.threshold(self.dropout_p) > 0
+
+    @property
+    def modified(self) -> bool:
+        """Whether the kernels' score_mod instantiation serves the problem: softcap, ALiBi or dropout."""
+        return self.score_mod or self.dropout
 
     @property
     def kv_group(self) -> int:
@@ -313,6 +328,38 @@ def check_alibi_slopes(slopes, problem: AttentionProblem) -> AttentionProblem:
             f"{problem.seqlen_q + problem.seqlen_k}"
         )
     return dataclasses.replace(problem, alibi_slopes=slopes)
+
+
+def check_dropout(dropout_p, seed, offset, problem: AttentionProblem) -> AttentionProblem:
+    """The problem with dropout (`check_dropout_args`)."""
+    dropout_p, seed, offset = check_dropout_args(dropout_p, seed, offset)
+    return dataclasses.replace(problem, dropout_p=dropout_p, seed=seed, offset=offset)
+
+
+def check_dropout_args(dropout_p, seed, offset) -> tuple[float, int, int]:
+    """dropout_p a real number in [0, 1); with dropout_p > 0 a seed, an int in [0, 2^64) (None: 0
+    otherwise); offset an int in [0, 2^32). The same seed and offset give the same mask."""
+    if isinstance(dropout_p, (bool, numpy.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if seed is None:
+        if dropout_p > 0.0:
+            raise ValueError(
+                "seed is required when dropout_p > 0: an int in [0, 2**64), which the backward needs again to "
+                "regenerate the same dropout mask"
+            )
+        seed = 0
+    return dropout_p, _check_int_range(seed, "seed", 2**64), _check_int_range(offset, "offset", 2**32)
+
+
+def _check_int_range(value, arg: str, end: int) -> int:
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, (int, numpy.integer)):
+        raise TypeError(f"{arg} must be an int in [0, {end}), got {value!r}")
+    if not 0 <= int(value) < end:
+        raise ValueError(f"{arg} must be in [0, {end}), got {int(value)}")
+    return int(value)
 
 
 def check_window(window) -> tuple | None:

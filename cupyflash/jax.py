@@ -36,7 +36,7 @@ __all__ = ["attention"]
 
 def attention(
     q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None, softcap=None,
-    alibi_slopes=None,
+    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
 ):
     """`cupyflash.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
     alibi_slopes=alibi_slopes)` for JAX arrays (k, v with fewer heads for GQA/MQA),
@@ -44,27 +44,33 @@ def attention(
     gradients bitwise reproducible. With a `cupyflash.BlockMask` as block_mask,
     `cupyflash.block_sparse_attention` and its backward (the mask, the window and the softcap
     are static arguments, like causal; the ALiBi slopes are an array, which gets a zero
-    gradient). Returns out only; arguments are checked when the call is traced."""
+    gradient). Dropout (dropout_p, seed, offset as `cupyflash.attention`) takes Python numbers,
+    static arguments too: under `jax.jit` a new seed or offset means a new trace, so pass them as
+    static arguments of the jitted step (or call eagerly). Returns out only; arguments are checked
+    when the call is traced."""
     window = None if window is None else tuple(window)  # hashable, as a static argument must be
+    dropout = _validation.check_dropout_args(dropout_p, seed, offset)
     if alibi_slopes is not None:  # in the kernels' accumulator type, as (batch or 1, heads)
         alibi_slopes = jnp.asarray(alibi_slopes, _validation.lse_dtype(_validation.dtype_name(q.dtype, "q")))
         alibi_slopes = alibi_slopes.reshape(1, -1) if alibi_slopes.ndim == 1 else alibi_slopes
-    return _attention_vjp(q, k, v, alibi_slopes, bool(causal), scale, bool(deterministic), block_mask, window, softcap)
+    return _attention_vjp(q, k, v, alibi_slopes, bool(causal), scale, bool(deterministic), block_mask, window, softcap,
+                          dropout)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _attention_vjp(q, k, v, slopes, causal, scale, deterministic, block_mask, window, softcap):
-    return _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _attention_vjp(q, k, v, slopes, causal, scale, deterministic, block_mask, window, softcap, dropout):
+    return _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap, dropout)[0]
 
 
-def _attention_fwd(q, k, v, slopes, causal, scale, deterministic, block_mask, window, softcap):
-    out, lse = _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap)
+def _attention_fwd(q, k, v, slopes, causal, scale, deterministic, block_mask, window, softcap, dropout):
+    out, lse = _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap, dropout)
     return out, (q, k, v, slopes, out, lse)
 
 
-def _attention_bwd(causal, scale, deterministic, block_mask, window, softcap, residuals, dout):
+def _attention_bwd(causal, scale, deterministic, block_mask, window, softcap, dropout, residuals, dout):
     q, k, v, slopes, out, lse = residuals
-    grads = _backward(dout, q, k, v, slopes, out, lse, causal, scale, deterministic, block_mask, window, softcap)
+    grads = _backward(dout, q, k, v, slopes, out, lse, causal, scale, deterministic, block_mask, window, softcap,
+                      dropout)
     return (*grads, None if slopes is None else jnp.zeros_like(slopes))
 
 
@@ -96,11 +102,12 @@ def _with_slopes(p, slopes, buffers):
     return dataclasses.replace(p, alibi_slopes=value)
 
 
-def _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap):
+def _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap, dropout):
     p = _validation.check_attention_args(
         *map(_Spec, (q, k, v)), causal=causal, scale=scale, return_lse=True, window=window, softcap=softcap
     )
     p = _validation.check_alibi_slopes(None if slopes is None else _Spec(slopes), p)
+    p = _validation.check_dropout(*dropout, p)
     if block_mask is not None:
         p = _validation.check_block_mask(block_mask, p)
     result = (
@@ -128,12 +135,13 @@ def _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap):
     return buffer_callback(run, result)(q, k, v, *([] if slopes is None else [slopes]))
 
 
-def _backward(dout, q, k, v, slopes, out, lse, causal, scale, deterministic, block_mask, window, softcap):
+def _backward(dout, q, k, v, slopes, out, lse, causal, scale, deterministic, block_mask, window, softcap, dropout):
     p = _validation.check_backward_args(
         *map(_Spec, (dout, q, k, v, out, lse)), causal=causal, scale=scale, deterministic=deterministic,
         window=window, softcap=softcap,
     )
     p = _validation.check_alibi_slopes(None if slopes is None else _Spec(slopes), p)
+    p = _validation.check_dropout(*dropout, p)
     if block_mask is not None:
         p = _validation.check_block_mask(block_mask, p)
     result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))

@@ -18,7 +18,7 @@ import math
 
 import numpy
 
-from cupyflash import _instantiations, _validation
+from cupyflash import _dropout, _instantiations, _validation
 
 LOG2E = math.log2(math.e)  # log2(e): exp(x) = exp2(x * log2(e))
 
@@ -31,9 +31,10 @@ def _as_float64(x):
     return numpy.asarray(x).astype(numpy.float64)
 
 
-def _prepare(q, k, v, causal, scale, return_lse, block_mask=None, window=None, softcap=None, alibi_slopes=None):
+def _prepare(q, k, v, causal, scale, return_lse, block_mask=None, window=None, softcap=None, alibi_slopes=None,
+             dropout=(0.0, None, 0)):
     """The validated problem and q, k, v in float64, k and v repeated to q's heads (GQA/MQA);
-    ALiBi slopes, if any, as float64 NumPy in the problem."""
+    ALiBi slopes, if any, as float64 NumPy in the problem; dropout = (dropout_p, seed, offset)."""
     q, k, v = (x if hasattr(x, "ndim") else numpy.asarray(x) for x in (q, k, v))
     problem = _validation.check_attention_args(
         q, k, v, causal=causal, scale=scale, return_lse=return_lse, window=window, softcap=softcap
@@ -42,8 +43,17 @@ def _prepare(q, k, v, causal, scale, return_lse, block_mask=None, window=None, s
         problem = _validation.check_alibi_slopes(_as_float64(alibi_slopes), problem)
     if block_mask is not None:
         problem = _validation.check_block_mask(block_mask, problem, for_kernels=False)
+    problem = _validation.check_dropout(*dropout, problem)
     k, v = (numpy.repeat(_as_float64(x), problem.kv_group, axis=2) for x in (k, v))
     return problem, _as_float64(q), k, v
+
+
+def _keep_mask(p, batch_start: int):
+    """Dropout's keep mask (batch, heads, seqlen_q, seqlen_k), the kernels' (`cupyflash.dropout_mask`),
+    for batch entries from batch_start; None without dropout."""
+    if not p.dropout:
+        return None
+    return _dropout.keep_mask_numpy(p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.dropout_p, p.seed, p.offset, batch_start)
 
 
 def _sum_groups(x, group: int):
@@ -119,13 +129,15 @@ def _band_cuts(p, row0, rows, col0, cols) -> bool:
 
 def attention(
     q, k, v, *, causal=False, scale=None, return_lse=False, block_mask=None, window=None, softcap=None,
-    alibi_slopes=None,
+    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
 ):
     """Exact attention in float64, materialising the scores. Semantics of `cupyflash.attention`
-    (with block_mask, of `cupyflash.block_sparse_attention`), GQA/MQA, window, softcap and
-    ALiBi included."""
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes)
-    out, lse = _materialised_attention(q, k, v, p, numpy.float64, None)
+    (with block_mask, of `cupyflash.block_sparse_attention`), GQA/MQA, window, softcap, ALiBi and
+    dropout included: with dropout_p > 0, out = (P ∘ Z / (1 - p)) V with the kernels' keep mask Z
+    (`cupyflash.dropout_mask`) for batch entries from dropout_batch_start (a packed sequence's
+    index, when references run sequence by sequence); lse is that of P, before dropout."""
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
+    out, lse = _materialised_attention(q, k, v, p, numpy.float64, None, _keep_mask(p, dropout_batch_start))
     return (out, lse) if p.return_lse else out
 
 
@@ -168,7 +180,7 @@ def attention_decode(
 
 def attention_in_precision(
     q, k, v, dtype, *, causal=False, scale=None, return_lse=False, block_mask=None, window=None, softcap=None,
-    alibi_slopes=None,
+    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
 ):
     """Standard attention done in `dtype`'s precision: the baseline that sets test tolerances.
 
@@ -176,11 +188,11 @@ def attention_in_precision(
     (as tensor-core matmuls and a float32 softmax) with the scores, the probabilities and the
     output rounded to `dtype`, as a framework's 16-bit standard attention does. Returns float64.
     """
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes)
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
     name = _validation.dtype_name(dtype, "dtype")
     compute = numpy.float64 if name == "float64" else numpy.float32
     rounding = numpy.dtype(dtype) if name in ("float16", "bfloat16") else None
-    out, lse = _materialised_attention(q, k, v, p, compute, rounding)
+    out, lse = _materialised_attention(q, k, v, p, compute, rounding, _keep_mask(p, dropout_batch_start))
     return (out, lse) if p.return_lse else out
 
 
@@ -212,14 +224,15 @@ def noise_floor(dtype_name: str) -> float:
     return eps * {"float16": 1, "bfloat16": 1, "float32": 4, "float64": 64}[dtype_name]
 
 
-def _materialised_attention(q, k, v, p, compute, rounding):
-    out, lse, _, _ = _materialised_forward(q, k, v, p, compute, rounding)
+def _materialised_attention(q, k, v, p, compute, rounding, keep=None):
+    out, lse, _, _, _ = _materialised_forward(q, k, v, p, compute, rounding, keep)
     return out.transpose(0, 2, 1, 3).astype(numpy.float64), lse[..., 0].astype(numpy.float64)
 
 
-def _materialised_forward(q, k, v, p, compute, rounding):
-    """(out, lse, probs, derivative) in (batch, heads, seq, ...) layout, in `compute` precision;
-    derivative: the score modifiers' (`_modify_scores`), None without a softcap."""
+def _materialised_forward(q, k, v, p, compute, rounding, keep=None):
+    """(out, lse, probs, derivative, dropped) in (batch, heads, seq, ...) layout, in `compute`
+    precision; derivative: the score modifiers' (`_modify_scores`), None without a softcap; dropped:
+    the probabilities V is weighed with, P ∘ Z / (1 - p) under dropout's keep mask `keep`, else P."""
 
     def rounded(x):
         return x if rounding is None else x.astype(rounding).astype(compute)
@@ -239,28 +252,31 @@ def _materialised_forward(q, k, v, p, compute, rounding):
     weights = numpy.exp(scores - m_safe)
     l = weights.sum(axis=-1, keepdims=True)
     probs = rounded(numpy.divide(weights, l, out=numpy.zeros_like(weights), where=l > 0))
-    out = rounded(probs @ vh)
+    dropped = probs if keep is None else rounded(numpy.where(keep, probs * compute(_dropout.rescale(p.dropout_p)), 0.0))
+    out = rounded(dropped @ vh)
     with numpy.errstate(divide="ignore"):
         lse = numpy.where(l > 0, m_safe + numpy.log(l), -numpy.inf)
-    return out, lse, probs, derivative
+    return out, lse, probs, derivative, dropped
 
 
 # --------------------------------------------------------------------------- backward
 
 
 def attention_backward(
-    dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None
+    dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None,
+    dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
 ):
     """Exact gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), in float64.
 
     With S = scale Q K^T, P = softmax(S) (masked entries 0) and O = P V:
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),  dQ = scale dS K,  dK = scale dS^T Q.
     A softcap multiplies dS by its derivative 1 - tanh^2; ALiBi's bias has no effect on it.
+    Dropout (keep mask Z, as `attention`): dV = (P ∘ Z / (1 - p))^T dO, and dS takes dP ∘ Z / (1 - p).
     Materialises P; arguments as `attention`, dout with q's shape. Returns float64 arrays with
     the shapes of q, k, v (GQA/MQA: dk, dv summed over each K/V head's group of query heads).
     """
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes)
-    return _materialised_backward(dout, q, k, v, p, numpy.float64, None)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
+    return _materialised_backward(dout, q, k, v, p, numpy.float64, None, _keep_mask(p, dropout_batch_start))
 
 
 def block_sparse_attention_backward(dout, q, k, v, block_mask, *, causal=False, scale=None, window=None, **mods):
@@ -270,23 +286,26 @@ def block_sparse_attention_backward(dout, q, k, v, block_mask, *, causal=False, 
 
 
 def output_term_magnitude(
-    q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None
+    q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None,
+    dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
 ) -> float:
     """For `error_bound`: the size an output's rounding noise follows. out_i = sum_j P_ij v_j with
     P_ij = exp(s_ij - lse_i), and a float type resolves an exponent of size |s| only to about
     |s|·eps, a relative error every P_ij carries into the sum: max|v| · max(1, max|s_ij|) over the
-    visible scores s = scale·q k^T (softcapped, ALiBi-biased). Arguments as `attention`."""
-    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window, softcap, alibi_slopes)
+    visible scores s = scale·q k^T (softcapped, ALiBi-biased), times dropout's 1 / (1 - p).
+    Arguments as `attention`."""
+    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
     qh, kh = (x.transpose(0, 2, 1, 3) for x in (q, k))
     s = numpy.abs(_modify_scores((qh @ kh.transpose(0, 1, 3, 2)) * p.scale, p, numpy.float64)[0])
     hidden = _hidden(p)
     if hidden is not None:
         s = numpy.where(hidden, 0.0, s)
-    return float(numpy.abs(v).max(initial=0.0)) * max(1.0, float(s.max(initial=0.0)))
+    return float(numpy.abs(v).max(initial=0.0)) * max(1.0, float(s.max(initial=0.0))) * _dropout.rescale(p.dropout_p)
 
 
 def gradient_term_magnitudes(
-    dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None
+    dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None,
+    dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
 ) -> tuple[float, float, float]:
     """For `error_bound`: the size of the largest terms summed into dq, dk and dv.
 
@@ -295,12 +314,13 @@ def gradient_term_magnitudes(
     dk_j = scale·sum_i P_ij (dP_ij - D_i) q_i: the same with max|q|, times the largest column sum
         of P;
     dv_j = sum_i P_ij dO_i: max|dO| times the largest column sum of P
-    (GQA/MQA: column sums over each K/V head's group of query heads).
+    (GQA/MQA: column sums over each K/V head's group of query heads). With dropout, dP and the
+    column sums are dropout's P ∘ Z / (1 - p) and dP ∘ Z / (1 - p).
     Arguments as `attention_backward`; computed in float64 from the materialised P."""
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes)
-    out, _, probs, _ = _materialised_forward(q, k, v, p, numpy.float64, None)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
+    out, _, _, _, probs = _materialised_forward(q, k, v, p, numpy.float64, None, _keep_mask(p, dropout_batch_start))
     doh, vh = (x.transpose(0, 2, 1, 3) for x in (dout, v))
-    dp = numpy.abs(doh @ vh.transpose(0, 1, 3, 2))
+    dp = numpy.abs(doh @ vh.transpose(0, 1, 3, 2)) * _dropout.rescale(p.dropout_p)
     d = numpy.abs((doh * out).sum(axis=-1, keepdims=True))
     spread = float((dp + d).max(initial=0.0))
     columns = probs.sum(axis=-2)  # (batch, heads, seqlen_k)
@@ -311,37 +331,41 @@ def gradient_term_magnitudes(
 
 
 def attention_backward_in_precision(
-    dout, q, k, v, dtype, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None
+    dout, q, k, v, dtype, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None,
+    dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
 ):
     """Standard attention's backward done in `dtype`'s precision (the tolerance baseline):
     float32/float64 in their own precision; for 16-bit dtypes float32 arithmetic with S, P, O,
     dP, dS and the gradients rounded to `dtype`, as a framework's autograd of 16-bit standard
     attention does (GQA/MQA: each query head's dk, dv rounded, then summed over the group).
     Returns float64."""
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
     name = _validation.dtype_name(dtype, "dtype")
     compute = numpy.float64 if name == "float64" else numpy.float32
     rounding = numpy.dtype(dtype) if name in ("float16", "bfloat16") else None
-    return _materialised_backward(dout, q, k, v, p, compute, rounding)
+    return _materialised_backward(dout, q, k, v, p, compute, rounding, _keep_mask(p, dropout_batch_start))
 
 
-def _prepare_backward(dout, q, k, v, causal, scale, block_mask=None, window=None, softcap=None, alibi_slopes=None):
-    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window, softcap, alibi_slopes)
+def _prepare_backward(dout, q, k, v, causal, scale, block_mask=None, window=None, softcap=None, alibi_slopes=None,
+                      dropout=(0.0, None, 0)):
+    p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window, softcap, alibi_slopes, dropout)
     dout = _as_float64(dout)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
     return p, dout, q, k, v
 
 
-def _materialised_backward(dout, q, k, v, p, compute, rounding):
+def _materialised_backward(dout, q, k, v, p, compute, rounding, keep=None):
     def rounded(x):
         return x if rounding is None else x.astype(rounding).astype(compute)
 
-    out, _, probs, derivative = _materialised_forward(q, k, v, p, compute, rounding)
+    out, _, probs, derivative, dropped = _materialised_forward(q, k, v, p, compute, rounding, keep)
     qh, kh, vh, doh = (x.astype(compute).transpose(0, 2, 1, 3) for x in (q, k, v, dout))
     scale = compute(p.scale)
-    dv = rounded(probs.transpose(0, 1, 3, 2) @ doh)
+    dv = rounded(dropped.transpose(0, 1, 3, 2) @ doh)
     dp = rounded(doh @ vh.transpose(0, 1, 3, 2))
+    if keep is not None:  # the gradient of P ∘ Z / (1 - p) in P
+        dp = rounded(numpy.where(keep, dp * compute(_dropout.rescale(p.dropout_p)), 0.0))
     # Softmax's Jacobian-vector product needs rowsum(dP * P); FlashAttention uses the equal
     # rowsum(dO * O) (O as stored), and so does this baseline: the two round differently, and
     # with one visible key dP - D cancels exactly in the first form only.
@@ -358,16 +382,18 @@ def _materialised_backward(dout, q, k, v, p, compute, rounding):
 
 def tiled_attention(
     q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None, block_mask=None, window=None,
-    softcap=None, alibi_slopes=None,
+    softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
 ):
     """FlashAttention-2's forward, block by block, as the GPU kernel schedules it (float64).
 
     block_m, block_n default to the kernel's tile for this dtype and head dim (with a block mask,
     cut to divide its block size). With block_mask (block-sparse FlashAttention, Algorithm 5), a
     query block visits only the key blocks its mask row lists, in the kernels' order. With causal or
-    a window, only the key blocks in its band. softcap and alibi_slopes modify each tile's scores.
+    a window, only the key blocks in its band. softcap and alibi_slopes modify each tile's scores;
+    dropout regenerates each tile's keep mask from its coordinates, as the kernels do (arguments as
+    `attention`).
     """
-    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes)
+    p, q, k, v = _prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
     tile = _instantiations.tile_shape(p.dtype_name, _instantiations.padded_head_dim(p.head_dim))
     block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
     sq, sk = p.seqlen_q, p.seqlen_k
@@ -396,14 +422,25 @@ def tiled_attention(
                 p_ij = numpy.exp2(s_ij - m_safe)
                 rescale = numpy.exp2(m_i - m_safe)
                 l_i = l_i * rescale + p_ij.sum(axis=-1, keepdims=True)
+                if p.dropout:  # P_ij ∘ Z_ij, after l_i took every probability in
+                    p_ij = p_ij * _tile_keep(p, dropout_batch_start, bs, hs, row0, rows, col0, cols)
                 o_i = o_i * rescale + numpy.einsum("bhqk,bkhd->bhqd", p_ij, v[bs, col0 : col0 + cols, hs])
                 m_i = m_new
-            # Epilogue: one final rescale of O_i, lse written once; rows that saw no key get 0 / -inf.
-            o_i = numpy.divide(o_i, l_i, out=numpy.zeros_like(o_i), where=l_i > 0)
+            # Epilogue: one final rescale of O_i (and dropout's 1 / (1 - p)), lse written once; rows
+            # that saw no key get 0 / -inf.
+            o_i = numpy.divide(o_i * _dropout.rescale(p.dropout_p), l_i, out=numpy.zeros_like(o_i), where=l_i > 0)
             out[bs, row0 : row0 + rows, hs] = o_i.transpose(0, 2, 1, 3)
             with numpy.errstate(divide="ignore"):
                 lse[bs, hs, row0 : row0 + rows] = numpy.where(l_i > 0, m_i / LOG2E + numpy.log(l_i), -numpy.inf)[..., 0]
     return (out, lse) if p.return_lse else out
+
+
+def _tile_keep(p, batch_start, bs, hs, row0, rows, col0, cols):
+    """Dropout's keep mask for one tile: the batch entries bs and heads hs (slices), queries
+    [row0, row0 + rows), keys [col0, col0 + cols)."""
+    batches = numpy.arange(p.batch)[bs] + batch_start
+    return _dropout.keep_tile(p.dropout_p, p.seed, p.offset, p.heads, batches, numpy.arange(p.heads)[hs],
+                              range(row0, row0 + rows), range(col0, col0 + cols))
 
 
 def _visible_key_tiles(p, row0: int, rows: int, block_n: int) -> tuple[int, int]:
@@ -487,26 +524,28 @@ def query_tiles(p, slab, col0: int, cols: int, block_m: int) -> list[int]:
 
 def tiled_attention_backward(
     dout, q, k, v, out, lse, *, causal=False, scale=None, block_m=None, block_n=None, block_mask=None, window=None,
-    softcap=None, alibi_slopes=None,
+    softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
 ):
     """FlashAttention-2's backward (Algorithm 2) in float64, block by block as the dK/dV kernel
     schedules it: an outer loop over key blocks holding dK_j, dV_j, an inner loop over the query
     blocks that can see them (in the band; with block_mask, those its mask column lists), P_ij
     recomputed from the saved lse, dQ summed across key blocks; GQA/MQA: dK, dV summed over each
-    group of query heads.
+    group of query heads. Dropout as the kernels do it (kernels/flash_bwd.cuh): D_i' = (1 - p) D_i,
+    dS = P ∘ (Z ? dP - D' : -D'), and 1 / (1 - p) on dV, dK, dQ.
 
     Arguments as `cupyflash.attention_backward`: `out` and `lse` are the forward's. block_m
     (query rows per step) and block_n (keys per block) default to the kernel's tile. Returns
     float64 (dq, dk, dv).
     """
-    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes)
+    p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
     out, lse = _as_float64(out), _as_float64(lse)
     tile = _instantiations.dkdv_tile_shape(p.dtype_name, _instantiations.padded_head_dim(p.head_dim))
     block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
     sq, sk = p.seqlen_q, p.seqlen_k
     # Preprocessing: D_i = rowsum(dO_i * O_i); lse in log2 units, +inf where no key was seen so
     # that P = exp2(s - lse) is exactly 0 there (as -inf would give NaN on masked scores).
-    d = numpy.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
+    rescale = _dropout.rescale(p.dropout_p)
+    d = numpy.einsum("bqhd,bqhd->bhq", dout, out)[..., None] / rescale
     lse_log2 = numpy.where(numpy.isneginf(lse), numpy.inf, lse * LOG2E)[..., None]
     scale_log2 = p.scale * LOG2E
     dq = numpy.zeros(q.shape)
@@ -529,15 +568,21 @@ def tiled_attention_backward(
                 if p.local and _band_cuts(p, row0, rows, col0, cols):
                     s_ij[..., _tile_hidden(p, row0, rows, col0, cols)] = -numpy.inf
                 p_ij = numpy.exp2(s_ij - lse_log2[bs, hs, row0 : row0 + rows])
-                dv_j += numpy.einsum("bhqk,bqhd->bkhd", p_ij, do_i)
                 dp_ij = numpy.einsum("bqhd,bkhd->bhqk", do_i, v_j)
-                ds_ij = p_ij * (dp_ij - d[bs, hs, row0 : row0 + rows])
+                d_i = d[bs, hs, row0 : row0 + rows]
+                if p.dropout:
+                    keep = _tile_keep(p, dropout_batch_start, bs, hs, row0, rows, col0, cols)
+                    ds_ij = p_ij * numpy.where(keep, dp_ij - d_i, -d_i)
+                    p_ij = p_ij * keep
+                else:
+                    ds_ij = p_ij * (dp_ij - d_i)
+                dv_j += numpy.einsum("bhqk,bqhd->bkhd", p_ij, do_i)
                 if derivative is not None:
                     ds_ij *= derivative
                 dk_j += numpy.einsum("bhqk,bqhd->bkhd", ds_ij, q_i)
-                dq[bs, row0 : row0 + rows, hs] += p.scale * numpy.einsum("bhqk,bkhd->bqhd", ds_ij, k_j)
-            dk[bs, col0 : col0 + cols, hs] = p.scale * dk_j
-            dv[bs, col0 : col0 + cols, hs] = dv_j
+                dq[bs, row0 : row0 + rows, hs] += p.scale * rescale * numpy.einsum("bhqk,bkhd->bqhd", ds_ij, k_j)
+            dk[bs, col0 : col0 + cols, hs] = p.scale * rescale * dk_j
+            dv[bs, col0 : col0 + cols, hs] = rescale * dv_j
     return dq, _sum_groups(dk, p.kv_group), _sum_groups(dv, p.kv_group)
 
 
@@ -558,7 +603,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse=False, f
     """Attention of a variable-length batch in float64, sequence by sequence: packed q
     (total_q, heads, head_dim), k, v (total_k, heads_kv, head_dim) and FlashAttention-2's
     cumulative lengths, semantics of `cupyflash.attention_varlen` (causal, windows and ALiBi
-    aligned to each sequence's own bottom-right corner). `forward` is the per-sequence function,
+    aligned to each sequence's own bottom-right corner; dropout with each sequence's index as its
+    batch index). `forward` is the per-sequence function,
     `attention` by default (`tiled_attention`, or a partial of `attention_in_precision`, also
     serve); options go to it. Returns out (total_q, heads, head_dim) and, with return_lse, lse
     (heads, total_q)."""
@@ -566,9 +612,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse=False, f
     q, k, v = (_as_float64(x) for x in (q, k, v))
     out = numpy.zeros(q.shape)
     lse = numpy.full((q.shape[1], q.shape[0]), -numpy.inf)
-    for rows, keys, slopes in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    for b, (rows, keys, slopes) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes)):
         o_b, lse_b = forward(q[None, rows], k[None, keys], v[None, keys], return_lse=True, alibi_slopes=slopes,
-                             **options)
+                             dropout_batch_start=b, **options)
         out[rows], lse[:, rows] = o_b[0], lse_b[0]
     return (out, lse) if return_lse else out
 
@@ -582,10 +628,10 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, out=
     backward = backward or attention_backward
     dout, q, k, v = (_as_float64(x) for x in (dout, q, k, v))
     grads = [numpy.zeros(x.shape) for x in (q, k, v)]
-    for rows, keys, slopes in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    for b, (rows, keys, slopes) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes)):
         saved = () if out is None else (_as_float64(out)[None, rows], _as_float64(lse)[None, :, rows])
         parts = backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], *saved, alibi_slopes=slopes,
-                         **options)
+                         dropout_batch_start=b, **options)
         for grad, part, span in zip(grads, parts, (rows, keys, keys)):
             grad[span] = part[0]
     return tuple(grads)

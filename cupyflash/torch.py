@@ -14,6 +14,7 @@ cupyflash does not otherwise need.
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import torch
 
@@ -24,26 +25,38 @@ __all__ = ["attention", "attention_varlen", "FlashAttentionFunction", "FlashAtte
 
 def attention(
     q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None, softcap=None,
-    alibi_slopes=None,
+    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
 ):
     """`cupyflash.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-    alibi_slopes=alibi_slopes)` for torch tensors (k, v with fewer heads for GQA/MQA), with a
-    backward pass (`cupyflash.attention_backward`) for autograd. `deterministic=True` makes the
-    gradients bitwise reproducible (see attention_backward). With a `cupyflash.BlockMask` as
-    block_mask, `cupyflash.block_sparse_attention` and its backward. The ALiBi slopes (a tensor
-    or array) get no gradient. Returns out only."""
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, block_mask, window, softcap, alibi_slopes)
+    alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)` for torch tensors
+    (k, v with fewer heads for GQA/MQA), with a backward pass (`cupyflash.attention_backward`) for
+    autograd. `deterministic=True` makes the gradients bitwise reproducible (see
+    attention_backward). With a `cupyflash.BlockMask` as block_mask,
+    `cupyflash.block_sparse_attention` and its backward. The ALiBi slopes (a tensor or array) get
+    no gradient. With dropout_p > 0 and no seed, the seed is drawn from torch's default generator
+    (`torch.manual_seed` makes it reproducible); the backward reuses it. Returns out only."""
+    dropout = (dropout_p, _seed_for(dropout_p, seed), offset)
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, block_mask, window, softcap, alibi_slopes,
+                                        dropout)
 
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, scale=None,
-    deterministic=False, window=None, softcap=None, alibi_slopes=None,
+    deterministic=False, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
 ):
     """`cupyflash.attention_varlen` for packed torch tensors (total, heads, head_dim) with int32
     cu_seqlens tensors (or arrays), with `cupyflash.attention_varlen_backward` for autograd
-    (the lengths and ALiBi slopes get no gradient). Returns out only."""
+    (the lengths and ALiBi slopes get no gradient); dropout as `attention`. Returns out only."""
+    dropout = (dropout_p, _seed_for(dropout_p, seed), offset)
     return FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                              scale, deterministic, window, softcap, alibi_slopes)
+                                              scale, deterministic, window, softcap, alibi_slopes, dropout)
+
+
+def _seed_for(dropout_p, seed):
+    """The seed given, or with dropout and none given, one from torch's default generator."""
+    if seed is None and isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool) and dropout_p > 0:
+        return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    return seed
 
 
 def _on_torch_stream(x):
@@ -64,15 +77,17 @@ class FlashAttentionFunction(torch.autograd.Function):
     Backward: cupyflash.attention_backward, recomputing the attention matrix tile by tile."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, deterministic, block_mask=None, window=None, softcap=None, alibi_slopes=None):
+    def forward(ctx, q, k, v, causal, scale, deterministic, block_mask=None, window=None, softcap=None, alibi_slopes=None,
+                dropout=(0.0, None, 0)):
         # DLPack refuses tensors that require grad; the kernels only read them.
         q, k, v = (x.detach() for x in (q, k, v))
         if isinstance(alibi_slopes, torch.Tensor):
             alibi_slopes = alibi_slopes.detach()
         with _on_torch_stream(q):
-            out, lse = _attention._attention(q, k, v, causal, scale, True, block_mask, window, softcap, alibi_slopes)
+            out, lse = _attention._attention(q, k, v, causal, scale, True, block_mask, window, softcap, alibi_slopes, None,
+                                             dropout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = (causal, scale, deterministic, block_mask, window, softcap, alibi_slopes)
+        ctx.options = (causal, scale, deterministic, block_mask, window, softcap, alibi_slopes, None, dropout)
         return out
 
     @staticmethod
@@ -83,7 +98,7 @@ class FlashAttentionFunction(torch.autograd.Function):
             dout = dout.contiguous()
         with _on_torch_stream(q):
             dq, dk, dv = _attention._attention_backward(dout, q, k, v, out, lse, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 class FlashAttentionVarlenFunction(torch.autograd.Function):
@@ -91,12 +106,13 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, deterministic,
-                window, softcap, alibi_slopes):
+                window, softcap, alibi_slopes, dropout=(0.0, None, 0)):
         q, k, v = (x.detach() for x in (q, k, v))
         if isinstance(alibi_slopes, torch.Tensor):
             alibi_slopes = alibi_slopes.detach()
         cu_seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        options = dict(causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+        options = dict(causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                       dropout_p=dropout[0], seed=dropout[1], offset=dropout[2])
         with _on_torch_stream(q):
             out, lse = _attention.attention_varlen(q, k, v, *cu_seqlens, return_lse=True, **options)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -111,4 +127,4 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
             dout = dout.contiguous()
         with _on_torch_stream(q):
             dq, dk, dv = _attention.attention_varlen_backward(dout, q, k, v, out, lse, *ctx.cu_seqlens, **ctx.options)
-        return (dq, dk, dv) + (None,) * 10
+        return (dq, dk, dv) + (None,) * 11

@@ -39,7 +39,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kerne
 
     if (lane == 0) {
         const long long idx = row_vector_offset(params, q_batch, head_idx) + row;
-        static_cast<Accum*>(params.d)[idx] = static_cast<Accum>(dot);
+        // D_i' = (1 - p) D_i (flash_bwd.cuh); dropout_rescale is exactly 1 without dropout.
+        static_cast<Accum*>(params.d)[idx] = static_cast<Accum>(dot / params.dropout_rescale);
         const Accum lse = static_cast<const Accum*>(params.lse)[q_batch * params.lse_batch_stride +
                                                                  head_idx * params.lse_head_stride +
                                                                  row * params.lse_row_stride];
@@ -53,8 +54,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) flash_bwd_preprocess_kerne
 // Grid: (ceil(seqlen_k / kBlockN), K/V heads, batch). Block: Bt::kNThreads. Shared memory: Bt::kSmemBytes.
 // With GQA/MQA the block walks the query blocks of every query head of its K/V head's group in
 // turn, so dK_j, dV_j sum over the group on chip, in a fixed order, with no K/V copy.
-// kScoreMod: softcap and ALiBi, as in the forward (instantiated with kIsLocal only); kVarlen: a
-// variable-length batch, as in the forward.
+// kScoreMod: softcap, ALiBi and dropout, as in the forward (instantiated with kIsLocal only);
+// kVarlen: a variable-length batch, as in the forward.
 template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_dkdv_kernel(const BwdParams launch_params) {
     using G = typename Bt::KeyGrid;     // keys x queries, keys x head dim
@@ -108,6 +109,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
         const Accum* lse_log2 = static_cast<const Accum*>(params.lse_log2) + vec_offset;
         const Accum* d = static_cast<const Accum*>(params.d) + vec_offset;
         const auto mod = score_mod<kScoreMod, Accum>(params, batch_idx, head_idx);
+        const auto dropout = dropout_for<kScoreMod>(params, batch_idx, head_idx);
         // Query blocks outside this key block's band (causal: those before its diagonal) see nothing
         // of it and are skipped, as are those a block mask leaves out.
         const auto query_blocks =
@@ -149,15 +151,23 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
                     Pt[i][jm] = exp2_(Pt[i][jm] - sLse2[tx + jm * G::kColGroups]);
                 }
 
-            // dP_ij^T = V_j dO_i^T, then dS_ij^T = P_ij^T ∘ (dP_ij^T - D_i) (lines 12-14), ∘ dx.
+            // dP_ij^T = V_j dO_i^T, then dS_ij^T = P_ij^T ∘ (dP_ij^T - D_i) (lines 12-14), ∘ dx;
+            // with dropout, dropped elements take -D_i' and leave P^T (for dV_j) as 0.
             Accum dSt[G::kRowsPerThread][G::kSColsPerThread];
             compute_scores<G>(dSt, sV, sdO, ty, tx);
 #pragma unroll
             for (int i = 0; i < G::kRowsPerThread; ++i)
 #pragma unroll
                 for (int jm = 0; jm < G::kSColsPerThread; ++jm) {
-                    dSt[i][jm] = Pt[i][jm] * (dSt[i][jm] - sD[tx + jm * G::kColGroups]);
-                    if constexpr (kScoreMod) dSt[i][jm] *= dx[i][jm];
+                    const Accum d_i = sD[tx + jm * G::kColGroups];
+                    if constexpr (kScoreMod) {
+                        const bool kept = !dropout.active() || dropout.keep(row0 + tx + jm * G::kColGroups,
+                                                                           col0 + ty * G::kRowsPerThread + i);
+                        dSt[i][jm] = Pt[i][jm] * (kept ? dSt[i][jm] - d_i : -d_i) * dx[i][jm];
+                        if (!kept) Pt[i][jm] = Accum(0);
+                    } else {
+                        dSt[i][jm] = Pt[i][jm] * (dSt[i][jm] - d_i);
+                    }
                 }
 
             store_P<G>(sPt, Pt, ty, tx);
@@ -179,19 +189,21 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
                 Accum dQ[QG::kRowsPerThread][QG::kOColsPerThread];
                 zero_tile<QG>(dQ);
                 accumulate_pv<QG>(dQ, sdS, sK, qy, qx);  // dQ_i += dS_ij K_j  (line 15)
-                atomic_add_dq<QG>(params, dQ, q_batch, head_idx, row0, qy, qx);
+                atomic_add_dq<QG>(params, dQ, q_batch, head_idx, row0, qy, qx,
+                                  static_cast<Accum>(params.scale) * dropout_rescale<kScoreMod, Accum>(params));
             }
         }
     }
 
-    // dK_j = scale · sum_i dS_ij^T Q_i = ln(2) · sum_i dS_ij^T (scale·log2(e) Q_i); dV_j as summed.
-    // Written once (lines 18-19).
+    // dK_j = scale · sum_i dS_ij^T Q_i = ln(2) · sum_i dS_ij^T (scale·log2(e) Q_i); dV_j as summed
+    // (each times dropout's 1 / (1 - p)). Written once (lines 18-19).
     Storage* dk = static_cast<Storage*>(params.dk) + k_batch * params.dk_batch_stride +
                   kv_head * params.dk_head_stride + col0 * params.dk_row_stride;
     Storage* dv = static_cast<Storage*>(params.dv) + k_batch * params.dv_batch_stride +
                   kv_head * params.dv_head_stride + col0 * params.dv_row_stride;
-    store_tile<G>(dk, params.dk_row_stride, keys_valid, params.head_dim, dK, static_cast<Accum>(kLn2), ty, tx);
-    store_tile<G>(dv, params.dv_row_stride, keys_valid, params.head_dim, dV, Accum(1), ty, tx);
+    const Accum rescale = dropout_rescale<kScoreMod, Accum>(params);
+    store_tile<G>(dk, params.dk_row_stride, keys_valid, params.head_dim, dK, static_cast<Accum>(kLn2) * rescale, ty, tx);
+    store_tile<G>(dv, params.dv_row_stride, keys_valid, params.head_dim, dV, rescale, ty, tx);
 }
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Dt::kNThreads. Shared memory: Dt::kSmemBytes.
@@ -249,6 +261,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     Accum dQ[Dt::kRowsPerThread][Dt::kOColsPerThread];
     zero_tile<Dt>(dQ);
     const auto mod = score_mod<kScoreMod, Accum>(params, batch_idx, head_idx);
+    const auto dropout = dropout_for<kScoreMod>(params, batch_idx, head_idx);
     for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
         const int col0 = key_blocks[t] * Dt::kBlockN;
         const int keys_valid = min(Dt::kBlockN, params.seqlen_k - col0);
@@ -272,9 +285,10 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
             for (int jn = 0; jn < Dt::kSColsPerThread; ++jn) {
                 if constexpr (kScoreMod) {  // P_ij of the modified score; dS_ij times its derivative
                     Accum dx;
-                    P[i][jn] = exp2_(mod.template apply<false>(P[i][jn], row0 + ty * Dt::kRowsPerThread + i,
-                                                               col0 + tx + jn * Dt::kColGroups, dx) - lse2[i]);
-                    dS[i][jn] = P[i][jn] * (dS[i][jn] - D[i]) * dx;
+                    const int query = row0 + ty * Dt::kRowsPerThread + i, key = col0 + tx + jn * Dt::kColGroups;
+                    P[i][jn] = exp2_(mod.template apply<false>(P[i][jn], query, key, dx) - lse2[i]);
+                    const bool kept = !dropout.active() || dropout.keep(query, key);
+                    dS[i][jn] = P[i][jn] * (kept ? dS[i][jn] - D[i] : -D[i]) * dx;
                 } else {
                     P[i][jn] = exp2_(P[i][jn] - lse2[i]);
                     dS[i][jn] = P[i][jn] * (dS[i][jn] - D[i]);
@@ -287,7 +301,8 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
 
     Storage* dq = static_cast<Storage*>(params.dq) + q_batch * params.dq_batch_stride +
                   head_idx * params.dq_head_stride + row0 * params.dq_row_stride;
-    store_tile<Dt>(dq, params.dq_row_stride, rows_valid, params.head_dim, dQ, static_cast<Accum>(params.scale), ty, tx);
+    store_tile<Dt>(dq, params.dq_row_stride, rows_valid, params.head_dim, dQ,
+                   static_cast<Accum>(params.scale) * dropout_rescale<kScoreMod, Accum>(params), ty, tx);
 }
 
 // Grid: (ceil(seqlen_q / kRowsPerBlock), heads, batch); one warp per query row.

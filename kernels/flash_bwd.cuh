@@ -3,7 +3,11 @@
 //   P_ij = exp(S_ij - lse_i)               (recomputed, never stored)
 //   dV_j += P_ij^T dO_i,   dP_ij = dO_i V_j^T,   dS_ij = P_ij ∘ (dP_ij - D_i)
 //   dK_j += scale · dS_ij^T Q_i,   dQ_i += scale · dS_ij K_j
-// where D_i = rowsum(dO_i ∘ O_i) comes from a preprocessing pass. The matrix products reuse the
+// where D_i = rowsum(dO_i ∘ O_i) comes from a preprocessing pass. With dropout (keep mask Z, keep
+// probability 1 - p, O = (P ∘ Z / (1 - p)) V) the same steps hold with P ∘ Z / (1 - p) in dV_j and
+// dP_ij ∘ Z / (1 - p) in dS_ij; as in FlashAttention-2, D_i is stored times (1 - p), so that
+//   dS_ij = P_ij ∘ (Z_ij ? dP_ij - D_i' : -D_i') / (1 - p),   D_i' = (1 - p) D_i,
+// and the 1 / (1 - p) goes on dV_j, dK_j and dQ_i when they are written. The matrix products reuse the
 // forward's compute_scores (A B^T) and accumulate_pv (A B) on shared-memory tiles.
 #pragma once
 #include "flash_bwd_traits.cuh"
@@ -63,6 +67,10 @@ struct BwdParams {
     const int* cu_seqlens_q;  // variable-length batches, as in FwdParams
     const int* cu_seqlens_k;
     const int* seqused_k;
+    unsigned long long dropout_seed;  // dropout, as in FwdParams
+    unsigned dropout_offset;
+    unsigned dropout_threshold;
+    double dropout_rescale;
 };
 
 // The query tiles of kBlockM that see the key tile [key0, key0 + keys_valid) (the dK/dV kernel's
@@ -189,15 +197,15 @@ __device__ __forceinline__ void zero_tile(typename Grid::Accum (&X)[Grid::kRowsP
         for (int c = 0; c < Grid::kOColsPerThread; ++c) X[i][c] = typename Grid::Accum(0);
 }
 
-// dQ_i += scale · dS_ij K_j into the float32 (float64) workspace. Atomics, because every key block
-// adds to the same dQ_i; their order, and so the last bits of dQ, vary from run to run.
+// dQ_i += scale · dS_ij K_j into the float32 (float64) workspace (scale: the softmax scale, times
+// dropout's 1 / (1 - p)). Atomics, because every key block adds to the same dQ_i; their order, and
+// so the last bits of dQ, vary from run to run.
 template <typename Grid>
 __device__ __forceinline__ void atomic_add_dq(
     const BwdParams& params, const typename Grid::Accum (&dQ)[Grid::kRowsPerThread][Grid::kOColsPerThread],
-    int batch_idx, int head_idx, int row0, int ty, int tx) {
+    int batch_idx, int head_idx, int row0, int ty, int tx, typename Grid::Accum scale) {
     using Accum = typename Grid::Accum;
     Accum* dq_accum = static_cast<Accum*>(params.dq_accum);
-    const Accum scale = static_cast<Accum>(params.scale);
 #pragma unroll
     for (int i = 0; i < Grid::kRowsPerThread; ++i) {
         const int row = row0 + ty * Grid::kRowsPerThread + i;

@@ -56,13 +56,14 @@ __device__ __forceinline__ void mma_other_queries(float (&C)[Bt::kMTiles][kNTile
     }
 }
 
-// dQ_i += dS_ij K_j (atomic mode) from dS^T in shared memory: this warp's share of the
+// dQ_i += scale · dS_ij K_j (atomic mode) from dS^T in shared memory: this warp's share of the
 // kBlockM x kHeadDimOut tile (TcBwdDkdvTraits::kDqWarpsM x kDqWarpsN), added to the float32
 // workspace with atomics, kDqChunk columns at a time (a whole row slice of dQ_i would sit in
 // registers beside dK_j and dV_j).
 template <typename Bt>
 __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned sdSt, unsigned sK, int q_row0,
-                                             int col_out0, int batch_idx, int head_idx, int warp, int lane) {
+                                             int col_out0, int batch_idx, int head_idx, int warp, int lane,
+                                             float scale) {
     const int wm = warp % Bt::kDqWarpsM, wn = warp / Bt::kDqWarpsM;
     if (wn >= Bt::kDqWarpsN) return;
     const int dq_row0 = q_row0 + wm * Bt::kDqMTiles * 16, dq_col0 = col_out0 + wn * Bt::kDqCols;
@@ -77,15 +78,15 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned s
         gemm_ab_ss<typename Bt::Op, true, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kPStride, Bt::kStride>(
             dQ, sdSt + wm * Bt::kDqMTiles * 16 * 2, sK + (dq_col0 + c) * 2, lane);
         atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c, dQ,
-                             static_cast<float>(params.scale), Fragment(lane));
+                             scale, Fragment(lane));
     }
 }
 
 // Grid: (ceil(seqlen_k / kBlockN) · kOutSplit, K/V heads, batch). Block: Bt::kNThreads.
 // Shared memory: Bt::kSmemBytes. With GQA/MQA the block walks the query blocks of each query head
 // of its K/V head's group in turn (as the scalar kernel): dK_j, dV_j sum over the group on chip.
-// kScoreMod: softcap and ALiBi, as in the forward (instantiated with kIsLocal only); kVarlen: a
-// variable-length batch, as in the forward.
+// kScoreMod: softcap, ALiBi and dropout, as in the forward (instantiated with kIsLocal only);
+// kVarlen: a variable-length batch, as in the forward.
 template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     flash_bwd_dkdv_tc_kernel(const BwdParams launch_params) {
@@ -135,6 +136,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const int first_head = kv_head * params.kv_group;
     for (int head_idx = first_head; head_idx < first_head + params.kv_group; ++head_idx) {
         const auto mod = score_mod<kScoreMod, float>(params, batch_idx, head_idx);
+        const auto dropout = dropout_for<kScoreMod>(params, batch_idx, head_idx);
 
         // Query blocks that see this key block: those in its band (causal: from its diagonal on),
         // and of those only the ones a block mask keeps.
@@ -213,6 +215,14 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                     modified_probabilities(BoolConstant<true>());
                 else
                     modified_probabilities(BoolConstant<false>());
+                // Dropout (flash_bwd.cuh): a dropped P^T is 0 for dV_j, and its factor of dS carries
+                // the drop in its sign, P^T ∘ dx >= 0 being negated.
+                if (dropout.active())
+                    for_dropped<true, Bt::kMTiles, Bt::kNTiles>(
+                        dropout, key0 + warp_keys, q_row0 + warp_queries, f, [&](int mt, int nt, int i) {
+                            St[mt][nt][i] = 0.f;
+                            Pt_dx[mt][nt / 2][(nt % 2) * 2 + i / 2] ^= i % 2 ? 0x80000000u : 0x8000u;  // sign bit
+                        });
             } else {
 #pragma unroll
                 for (int nt = 0; nt < Bt::kNTiles; ++nt) {
@@ -250,8 +260,13 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                     for (int h = 0; h < 2; ++h) {
                         // A fragment register r holds rows h = r % 2 of n8 tile 2kk + r / 2.
                         const float2 p = Op::unpack((kScoreMod ? Pt_dx : Pt)[mt][nt / 2][(nt % 2) * 2 + h]);
-                        dPt[mt][nt][2 * h] = p.x * (dPt[mt][nt][2 * h] - d_i.x);
-                        dPt[mt][nt][2 * h + 1] = p.y * (dPt[mt][nt][2 * h + 1] - d_i.y);
+                        if constexpr (kScoreMod) {  // dropped (negative): -D_i' instead of dP - D_i'
+                            dPt[mt][nt][2 * h] = p.x * (p.x >= 0.f ? dPt[mt][nt][2 * h] - d_i.x : d_i.x);
+                            dPt[mt][nt][2 * h + 1] = p.y * (p.y >= 0.f ? dPt[mt][nt][2 * h + 1] - d_i.y : d_i.y);
+                        } else {
+                            dPt[mt][nt][2 * h] = p.x * (dPt[mt][nt][2 * h] - d_i.x);
+                            dPt[mt][nt][2 * h + 1] = p.y * (dPt[mt][nt][2 * h + 1] - d_i.y);
+                        }
                     }
             }
 
@@ -276,12 +291,13 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             // each of an SM's four schedulers, warp w and w + 4): the atomics of all warps at once
             // would queue up in the load/store unit.
             const bool dq_first = warp % 8 < 4;
+            const float dq_scale = static_cast<float>(params.scale) * dropout_rescale<kScoreMod, float>(params);
             if (params.dq_accum != nullptr && dq_first)
-                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane);
+                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane, dq_scale);
             if (Bt::kDoBuffers == 2) mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
             mma_other_queries<Bt>(dK, sdSt_warp, sQ_i, wq, warp_cols, lane);
             if (params.dq_accum != nullptr && !dq_first)
-                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane);
+                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane, dq_scale);
         }
         __syncthreads();  // every warp is done with this head's last Q_i, dO_i before the next head's land
     }
@@ -292,10 +308,11 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                   kv_head * params.dk_head_stride + warp_key0 * params.dk_row_stride + warp_cols;
     Storage* dv = static_cast<Storage*>(params.dv) + k_batch * params.dv_batch_stride +
                   kv_head * params.dv_head_stride + warp_key0 * params.dv_row_stride + warp_cols;
+    const float rescale = dropout_rescale<kScoreMod, float>(params);
     store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
-                                          params.head_dim - warp_cols, dK, static_cast<float>(params.scale), f);
+                                          params.head_dim - warp_cols, dK, static_cast<float>(params.scale) * rescale, f);
     store_fragments<typename Bt::Element>(dv, params.dv_row_stride, params.seqlen_k - warp_key0,
-                                          params.head_dim - warp_cols, dV, 1.f, f);
+                                          params.head_dim - warp_cols, dV, rescale, f);
 }
 
 // Grid: (ceil(seqlen_q / kBlockM) · kOutSplit, heads, batch). Block: Dt::kNThreads.
@@ -368,6 +385,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     zero(dQ);
     const float scale_log2 = static_cast<float>(params.scale_log2);
     const auto mod = score_mod<kScoreMod, float>(params, batch_idx, head_idx);
+    const auto dropout = dropout_for<kScoreMod>(params, batch_idx, head_idx);
     const unsigned sQ_warp = sQ + warp * Dt::kWarpRows * Dt::kStride * 2;
     const unsigned sdO_warp = sdO + warp * Dt::kWarpRows * Dt::kStride * 2;
 
@@ -399,8 +417,9 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
         gemm_abt_ss<Op, Dt::kMTiles, Dt::kNTiles, Dt::kKSteps, Dt::kStride, Dt::kStride>(dP, sdO_warp, sV_j, lane);
         // dS_ij = P_ij ∘ (dP_ij - D_i), P_ij = exp2(S·scale·log2(e) - lse_i·log2(e)), in place in dP.
         if constexpr (kScoreMod) {  // P_ij of the modified scores, dS_ij times the modifier's derivative
+            // S becomes P ∘ dx (>= 0), negated where dropout drops (as in the dK/dV kernel).
             const float offset0 = mod.offset(warp_row0 + f.row(0, 0), col0 + f.col(0, 0));
-            const auto modified_gradients = [&](auto softcap) {
+            const auto modified_probabilities = [&](auto softcap) {
                 constexpr bool kSoftcap = decltype(softcap)::value;
 #pragma unroll
                 for (int mt = 0; mt < Dt::kMTiles; ++mt)
@@ -414,14 +433,27 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
                                 float dx;
                                 const float x = mod.template apply_at<true, kSoftcap>(S[mt][nt][2 * h + e] * scale_log2,
                                                                                       fabsf(offset), dx);
-                                const float p = exp2f(x - lse2[mt][h]);
-                                dP[mt][nt][2 * h + e] = p * dx * (dP[mt][nt][2 * h + e] - d_i[mt][h]);
+                                S[mt][nt][2 * h + e] = exp2f(x - lse2[mt][h]) * dx;
                             }
             };
             if (mod.softcap())
-                modified_gradients(BoolConstant<true>());
+                modified_probabilities(BoolConstant<true>());
             else
-                modified_gradients(BoolConstant<false>());
+                modified_probabilities(BoolConstant<false>());
+            if (dropout.active())
+                for_dropped<false, Dt::kMTiles, Dt::kNTiles>(dropout, warp_row0, col0, f,
+                                                             [&](int mt, int nt, int i) { S[mt][nt][i] = -S[mt][nt][i]; });
+#pragma unroll
+            for (int mt = 0; mt < Dt::kMTiles; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int nt = 0; nt < Dt::kNTiles; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float p = S[mt][nt][2 * h + e];
+                            dP[mt][nt][2 * h + e] = p * (p >= 0.f ? dP[mt][nt][2 * h + e] - d_i[mt][h] : d_i[mt][h]);
+                        }
         } else {
 #pragma unroll
             for (int mt = 0; mt < Dt::kMTiles; ++mt)
@@ -443,8 +475,8 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
 
     Storage* dq = static_cast<Storage*>(params.dq) + q_batch * params.dq_batch_stride +
                   head_idx * params.dq_head_stride + warp_row0 * params.dq_row_stride + col_out0;
-    store_fragments<typename Dt::Element>(dq, params.dq_row_stride, params.seqlen_q - warp_row0,
-                                          params.head_dim - col_out0, dQ, static_cast<float>(params.scale), f);
+    store_fragments<typename Dt::Element>(dq, params.dq_row_stride, params.seqlen_q - warp_row0, params.head_dim - col_out0,
+                                          dQ, static_cast<float>(params.scale) * dropout_rescale<kScoreMod, float>(params), f);
 }
 
 }  // namespace cupyflash

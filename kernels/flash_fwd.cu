@@ -8,8 +8,9 @@ namespace cupyflash {
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads threads.
 // Dynamic shared memory: Kt::kSmemBytes.
-// kScoreMod: softcap and ALiBi (ScoreMod) on every score; instantiated with kIsLocal only, whose
-// band arithmetic covers the unmasked problem too (a band as wide as the score matrix).
+// kScoreMod: softcap and ALiBi (ScoreMod) on every score, and dropout (Dropout) on the
+// probabilities; instantiated with kIsLocal only, whose band arithmetic covers the unmasked problem
+// too (a band as wide as the score matrix).
 // kVarlen: a variable-length batch (sequence_params; with kIsLocal and kScoreMod only), the grid
 // covering its longest sequence.
 template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     }
 
     const auto mod = score_mod<kScoreMod, Accum>(params, batch_idx, head_idx);
+    const auto dropout = dropout_for<kScoreMod>(params, batch_idx, head_idx);
 
     // n_block is the tile of position t, read a step ahead: block-sparse, the next index's load
     // then overlaps this tile's work (and the loop needs one register less than indexing twice).
@@ -82,13 +84,32 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         }
         if constexpr (kScoreMod) apply_score_mod<Kt>(S, mod, row0, col0, ty, tx);
         online_softmax<Kt>(S, O, m, l);
+        if constexpr (kScoreMod) {
+            if (dropout.active()) apply_dropout<Kt>(S, dropout, row0, col0, ty, tx);
+        }
         store_P<Kt>(sP, S, ty, tx);
         // Each thread reads whole rows of P_ij below, written by its row group: one warp.
         __syncwarp();
         accumulate_pv<Kt>(O, sP, sV, ty, tx);
     }
 
-    epilogue<Kt>(params, O, m, l, q_batch, head_idx, row0, ty, tx);
+    epilogue<Kt>(params, O, m, l, q_batch, head_idx, row0, ty, tx, dropout_rescale<kScoreMod, Accum>(params));
+}
+
+// Grid: (ceil(seqlen_q·seqlen_k / kThreads), heads, batch). Dropout's keep mask Z_ij as bytes (1:
+// kept), [batch, heads, seqlen_q, seqlen_k] contiguous at params.o: what the attention kernels
+// apply, materialised for tests and for checking a small problem (cupyflash.dropout_mask).
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) flash_dropout_mask_kernel(const FwdParams params) {
+    const long long elements = static_cast<long long>(params.seqlen_q) * params.seqlen_k;
+    const long long idx = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+    if (idx >= elements) return;
+    const int head_idx = blockIdx.y, batch_idx = blockIdx.z;
+    const Dropout dropout(params, batch_idx, head_idx);
+    const int query = static_cast<int>(idx / params.seqlen_k), key = static_cast<int>(idx % params.seqlen_k);
+    unsigned char* keep = static_cast<unsigned char*>(params.o) +
+                          (static_cast<long long>(batch_idx) * params.heads + head_idx) * elements;
+    keep[idx] = dropout.keep(query, key) ? 1 : 0;
 }
 
 }  // namespace cupyflash

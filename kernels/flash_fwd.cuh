@@ -5,6 +5,7 @@
 // its row-group (ty) and column-group (tx) coordinates in the FwdTraits thread grid.
 #pragma once
 #include "flash_fwd_traits.cuh"
+#include "philox.cuh"
 
 namespace cupyflash {
 
@@ -48,6 +49,11 @@ struct FwdParams {
     const int* cu_seqlens_q;  // [batch + 1]: sequence b's queries are the packed rows cu_seqlens_q[b]..[b+1]-1
     const int* cu_seqlens_k;  // [batch + 1]: likewise its keys
     const int* seqused_k;     // [batch]: sequence b sees its first seqused_k[b] keys only (padded batches)
+    // Dropout (kScoreMod instantiations only; see Dropout in philox.cuh).
+    unsigned long long dropout_seed;
+    unsigned dropout_offset;
+    unsigned dropout_threshold;  // round(p·2^32); 0: no dropout
+    double dropout_rescale;      // 1 / (1 - p) for that p: the kept probabilities' factor; 1 without dropout
 };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T x[N]; };
@@ -231,6 +237,26 @@ __device__ __forceinline__ typename ScoreModFor<kScoreMod, Accum>::type score_mo
     }
 }
 
+// Dropout, like the score modifiers, only in kScoreMod instantiations (an empty object elsewhere).
+template <bool kScoreMod> struct DropoutFor { using type = Dropout; };
+template <> struct DropoutFor<false> { using type = NoScoreMod; };
+
+template <bool kScoreMod, typename Params>
+__device__ __forceinline__ typename DropoutFor<kScoreMod>::type dropout_for(const Params& params, int batch_idx,
+                                                                          int head_idx) {
+    if constexpr (kScoreMod) {
+        return Dropout(params, batch_idx, head_idx);
+    } else {
+        return NoScoreMod{};
+    }
+}
+
+// The factor dropout puts on the output and the gradients: 1 / (1 - p), 1 where kernels have no dropout.
+template <bool kScoreMod, typename Accum, typename Params>
+__device__ __forceinline__ Accum dropout_rescale(const Params& params) {
+    return kScoreMod ? static_cast<Accum>(params.dropout_rescale) : Accum(1);
+}
+
 template <typename Params>
 __device__ __forceinline__ long long mask_slab(const Params& params, int batch_idx, int head_idx) {
     return batch_idx * params.mask_batch_stride + head_idx * params.mask_head_stride;
@@ -348,6 +374,21 @@ __device__ __forceinline__ void apply_score_mod(
         }
 }
 
+// P_ij ∘ Z_ij: this thread's dropped probabilities become 0 (rows: queries from row0, columns: keys
+// from col0). Applied after the row sums l_i took them in: the softmax is over every key, and
+// only what it weighs V with is thinned, as dropout on the attention probabilities means.
+template <typename Kt>
+__device__ __forceinline__ void apply_dropout(
+    typename Kt::Accum (&P)[Kt::kRowsPerThread][Kt::kSColsPerThread], const Dropout& dropout, int row0, int col0,
+    int ty, int tx) {
+#pragma unroll
+    for (int i = 0; i < Kt::kRowsPerThread; ++i)
+#pragma unroll
+        for (int jn = 0; jn < Kt::kSColsPerThread; ++jn)
+            if (!dropout.keep(row0 + ty * Kt::kRowsPerThread + i, col0 + tx + jn * Kt::kColGroups))
+                P[i][jn] = typename Kt::Accum(0);
+}
+
 // Reduces over the kColGroups threads that share a row (adjacent lanes of one warp).
 template <typename Kt, typename T, typename Op>
 __device__ __forceinline__ T row_allreduce(T x, Op op) {
@@ -433,12 +474,12 @@ __device__ __forceinline__ void accumulate_pv(
 }
 
 // Algorithm 1, lines 12-14: O_i = O_i / l_i and lse_i = m_i + log(l_i), written once. A row that
-// saw no key (l_i = 0) gets output 0 and lse -inf.
+// saw no key (l_i = 0) gets output 0 and lse -inf. out_scale: dropout's 1 / (1 - p), else 1.
 template <typename Kt>
 __device__ __forceinline__ void epilogue(
     const FwdParams& params, const typename Kt::Accum (&O)[Kt::kRowsPerThread][Kt::kOColsPerThread],
     const typename Kt::Accum (&m)[Kt::kRowsPerThread], const typename Kt::Accum (&l)[Kt::kRowsPerThread],
-    int batch_idx, int head_idx, int row0, int ty, int tx) {
+    int batch_idx, int head_idx, int row0, int ty, int tx, typename Kt::Accum out_scale) {
     using Accum = typename Kt::Accum;
     using Storage = typename Kt::Storage;
     Storage* o = static_cast<Storage*>(params.o);
@@ -447,7 +488,7 @@ __device__ __forceinline__ void epilogue(
         const Accum l_row = row_allreduce<Kt>(l[i], [](Accum a, Accum b) { return a + b; });
         const int row = row0 + ty * Kt::kRowsPerThread + i;
         if (row >= params.seqlen_q) continue;
-        const Accum inv_l = l_row > Accum(0) ? Accum(1) / l_row : Accum(0);
+        const Accum inv_l = l_row > Accum(0) ? out_scale / l_row : Accum(0);
         Storage* o_row = o + batch_idx * params.o_batch_stride + row * params.o_row_stride +
                          head_idx * params.o_head_stride;
 #pragma unroll

@@ -11,10 +11,12 @@
 namespace cupyflash {
 
 // Algorithm 1, lines 12-13: O_i / l_i written in the element type, lse_i = m_i·ln2 + ln(l_i).
+// out_scale: dropout's 1 / (1 - p), else 1.
 template <typename Kt>
 __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
                                          const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
-                                         int batch_idx, int head_idx, int warp_row0, const Fragment& f) {
+                                         int batch_idx, int head_idx, int warp_row0, const Fragment& f,
+                                         float out_scale) {
     float* lse = static_cast<float*>(params.lse) + batch_idx * params.lse_batch_stride +
                  head_idx * params.lse_head_stride;
 #pragma unroll
@@ -22,7 +24,7 @@ __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const float l_row = quad_sum(l[mt][h]);
-            const float inv_l = l_row > 0.f ? 1.f / l_row : 0.f;
+            const float inv_l = l_row > 0.f ? out_scale / l_row : 0.f;
 #pragma unroll
             for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
                 O[mt][dt][2 * h] *= inv_l;
@@ -43,8 +45,9 @@ __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[
 }
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads. Shared memory: Kt::kSmemBytes.
-// kScoreMod: softcap and ALiBi (ScoreMod) on every score; instantiated with kIsLocal only, whose
-// band arithmetic covers the unmasked problem too (a band as wide as the score matrix).
+// kScoreMod: softcap and ALiBi (ScoreMod) on every score, dropout (Dropout) on the probabilities;
+// instantiated with kIsLocal only, whose band arithmetic covers the unmasked problem too (a band as
+// wide as the score matrix).
 // kVarlen: a variable-length batch (sequence_params; with kIsLocal and kScoreMod only).
 template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_tc_kernel(const FwdParams launch_params) {
@@ -98,6 +101,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     }
     const float scale_log2 = static_cast<float>(params.scale_log2);
     const auto mod = score_mod<kScoreMod, float>(params, batch_idx, head_idx);
+    const auto dropout = dropout_for<kScoreMod>(params, batch_idx, head_idx);
 
     // Dense, the loop counts from tile 0 and passes over the tiles left of the band one compare
     // each: started at a runtime tile, NVRTC spills 100 bytes at d64 and d128 (local attention).
@@ -124,6 +128,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
             else
                 score_mod_fragments<false>(S, mod, scale_log2, warp_row0, col0, f);
             online_softmax_tc<Kt>(S, O, m, l, 1.f);
+            // P_ij ∘ Z_ij after l_i took every probability in (apply_dropout in flash_fwd.cuh).
+            if (dropout.active())
+                for_dropped<false, Kt::kMTiles, Kt::kNTiles>(dropout, warp_row0, col0, f,
+                                                             [&](int mt, int nt, int i) { S[mt][nt][i] = 0.f; });
         } else {
             online_softmax_tc<Kt>(S, O, m, l, scale_log2);
         }
@@ -141,7 +149,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         gemm_ab_rs<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles / 2, Kt::kStride>(O, P, sV, lane);
     }
 
-    epilogue_tc<Kt>(params, O, m, l, q_batch, head_idx, warp_row0, f);
+    epilogue_tc<Kt>(params, O, m, l, q_batch, head_idx, warp_row0, f, dropout_rescale<kScoreMod, float>(params));
 }
 
 }  // namespace cupyflash

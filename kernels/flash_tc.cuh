@@ -322,6 +322,34 @@ __device__ __forceinline__ void score_mod_fragments(float (&S)[kMTiles][kNTiles]
                 }
 }
 
+// Calls on_drop(mt, nt, i) for each element C[mt][nt][i] of a warp's accumulator tile that dropout
+// drops: rows are queries from row0 and columns keys from col0, or with kTransposed (S^T in the
+// dK/dV kernel) rows are keys and columns queries; row0 and col0 are multiples of 16. A lane's
+// elements (rows g, g + 8 of an m16 tile) x (columns 2t + e, 2t + e + 8 of n8 tiles 2np, 2np + 1)
+// are one generator call's 2 x 2 group (Dropout) either way round: a call per four elements.
+template <bool kTransposed, int kMTiles, int kNTiles, typename OnDrop>
+__device__ __forceinline__ void for_dropped(const Dropout& dropout, int row0, int col0, const Fragment& f,
+                                            OnDrop on_drop) {
+    static_assert(kNTiles % 2 == 0, "a group spans two n8 tiles");
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int row = row0 + f.row(mt, 0), col = col0 + f.col(2 * np, e);
+                const PhiloxWords w = kTransposed ? dropout.words(col, row) : dropout.words(row, col);
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        // Word 2·(query + 8) + (key + 8): the row half is h, the column half `half`.
+                        const unsigned word = w.x[kTransposed ? 2 * half + h : 2 * h + half];
+                        if (!dropout.keeps(word)) on_drop(mt, 2 * np + half, 2 * h + e);
+                    }
+            }
+}
+
 // Writes scale · C to a [rows][cols] global tile (row_stride apart, columns contiguous) in the
 // element type; rows >= rows_valid and columns >= cols_valid are padding and are skipped. Pairs of
 // columns go out as one 32-bit store where alignment allows.
