@@ -1,11 +1,12 @@
-"""GQA/MQA, sliding-window, softcap and ALiBi attention against dense causal attention of the same shape.
+"""GQA/MQA, sliding-window, softcap, ALiBi and dropout attention against dense causal attention of the same shape.
 
     python benchmarks/bench_variants.py [--seqlen 16384] [--head-dim 128] [--max-seconds 0.12]
 
 What it shows: a window's time follows the band's width (key tiles outside it are skipped), and
 GQA costs what multi-head attention costs (K/V read in place; dK, dV summed on chip), with the
 torch SDPA flash backend (GQA through enable_gqa) on the same inputs where it runs; and what the
-score modifiers (softcap, ALiBi) cost against the same problem without them (SDPA has neither). Correctness
+score modifiers (softcap, ALiBi) cost against the same problem without them (SDPA has neither), and what
+dropout costs, beside the SDPA flash backend's dropout (FlashAttention-2's) on the same inputs. Correctness
 first: each variant at seqlen --check-seqlen (the same kernels; a float64 seqlen^2 reference at
 16k would take minutes), one query group against the float64 reference under the tolerance rule.
 TFLOP/s count only the visible (query, key) pairs: 4 d per pair forward, 2.5x that backward.
@@ -92,6 +93,8 @@ def main(argv=None) -> int:
         ("causal, softcap 30", h, True, None, {"softcap": 30.0}),
         ("causal, ALiBi", h, True, None, {"alibi_slopes": slopes}),
         ("causal, softcap + ALiBi", h, True, None, {"softcap": 30.0, "alibi_slopes": slopes}),
+        ("non-causal, dropout 0.1", h, False, None, {"dropout_p": 0.1, "seed": 1}),
+        ("causal, dropout 0.1", h, True, None, {"dropout_p": 0.1, "seed": 1}),
     ]
     try:
         import torch
@@ -124,12 +127,14 @@ def main(argv=None) -> int:
         pairs = visible_pairs(s, left, 0 if causal else right)
         flops = 4 * d * pairs * h
         torch_fwd = torch_bwd = None
-        if torch is not None and window is None and not mods:  # SDPA has no sliding window, softcap or ALiBi
+        # SDPA has no sliding window, softcap or ALiBi; its flash backend has dropout.
+        if torch is not None and window is None and not set(mods) - {"dropout_p", "seed"}:
             tq, tk, tv, tdo = (bench.torch_view(x) for x in (q, k, v, dout))
             tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+            p = mods.get("dropout_p", 0.0)
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
                 try:
-                    call = lambda: sdpa(tq, tk, tv, is_causal=causal, enable_gqa=heads_kv != h)  # noqa: E731
+                    call = lambda: sdpa(tq, tk, tv, is_causal=causal, dropout_p=p, enable_gqa=heads_kv != h)  # noqa: E731
                     torch_fwd = bench._median_ms(call, args.max_seconds)
                     o = call()
                     torch_bwd = bench._median_ms(lambda: torch.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True),
