@@ -53,7 +53,7 @@ class TileShape:
 def tile_shape(dtype_name: str, padded_head_dim: int, varlen: bool = False, one_block: bool = False) -> TileShape:
     """varlen: the variable-length kernel, whose float64 d64 tile spills 24 bytes at sm_90a in the
     128 registers two blocks per SM leave (its sequence's lengths take registers): one block.
-    one_block: likewise (the block-sparse score-modifier kernel: 8 bytes at sm_80)."""
+    one_block: likewise (the score-modifier kernels: 84-92 bytes with dropout's generator)."""
     varlen = varlen or one_block
     if accum_itemsize(dtype_name) == 4:
         if padded_head_dim <= 64:
@@ -130,8 +130,7 @@ class FwdKernel(_TiledKernel):
 
     @property
     def tile(self) -> TileShape:
-        return self.tile_override or tile_shape(self.dtype_name, self.head_dim, self.varlen,
-                                                self.block_sparse and self.score_mod)
+        return self.tile_override or tile_shape(self.dtype_name, self.head_dim, self.varlen, self.score_mod)
 
     @property
     def smem_bytes(self) -> int:
@@ -235,10 +234,12 @@ class DkdvTileShape:
 # The dK/dV kernel keeps K_j, V_j, Q_i, dO_i and three score-sized tiles in shared memory and
 # dK_j, dV_j in registers, so its tiles are smaller than the forward's. Chosen to fit an A100's
 # 163 KiB without spills (`python -m cupyflash check-kernels`); not yet tuned by a sweep.
-def dkdv_tile_shape(dtype_name: str, padded_head_dim: int, block_sparse: bool = False) -> DkdvTileShape:
+def dkdv_tile_shape(dtype_name: str, padded_head_dim: int, block_sparse: bool = False,
+                    varlen: bool = False) -> DkdvTileShape:
     """block_sparse: at d64 the block-sparse kernel's tile walk does not fit in the 128 registers
     two blocks per SM leave (16-24 bytes of spills at sm_80 and sm_90a): one block per SM. The
-    score-modifier kernel (its derivative tile beside P^T) takes the same (12 bytes otherwise)."""
+    score-modifier kernel (its derivative tile beside P^T) takes the same (12 bytes otherwise).
+    varlen: likewise for the float64 variable-length kernel (20 bytes at sm_90a with dropout)."""
     if accum_itemsize(dtype_name) == 4:
         if padded_head_dim <= 64:
             dq_rows = 2 if padded_head_dim < 32 else 4  # dQ's 32 column groups need head_dim >= 32
@@ -247,7 +248,7 @@ def dkdv_tile_shape(dtype_name: str, padded_head_dim: int, block_sparse: bool = 
             return DkdvTileShape(32, 64, 8, 4, 4, min_blocks_per_sm=1)
         return DkdvTileShape(32, 32, 8, 4, 4, min_blocks_per_sm=1)
     if padded_head_dim <= 64:
-        return DkdvTileShape(16, 32, 8, 2, 1, min_blocks_per_sm=2)
+        return DkdvTileShape(16, 32, 8, 2, 1, min_blocks_per_sm=1 if varlen else 2)
     if padded_head_dim <= 128:
         return DkdvTileShape(16, 32, 8, 2, 1, min_blocks_per_sm=1)
     return DkdvTileShape(16, 16, 8, 1, 1, min_blocks_per_sm=1)
@@ -288,7 +289,7 @@ class BwdDkdvKernel(_TiledKernel):
 
     @property
     def tile(self) -> DkdvTileShape:
-        return dkdv_tile_shape(self.dtype_name, self.head_dim, self.block_sparse or self.score_mod)
+        return dkdv_tile_shape(self.dtype_name, self.head_dim, self.block_sparse or self.score_mod, self.varlen)
 
     @property
     def smem_bytes(self) -> int:
@@ -479,9 +480,11 @@ def tc_fwd_tile_shape(
     state in registers beside the dense kernel's. At d128 the dense tile has none to spare (it
     spills 16-24 bytes); (128, 32) is the fastest that fits (benchmarks/tune_sparse.py: 0.85x the
     dense tile's TFLOP/s, where (128, 64, 8 warps) gave 0.67x). At d64 and d256 the same holds
-    for the block-sparse local (causal, windowed) kernel: 12 and 4 bytes of spills at sm_90a."""
+    for the block-sparse local (causal, windowed) kernel: 12 and 4 bytes of spills at sm_90a, and
+    at d64 for the score-modifier kernel (24-36 bytes at sm_80 with dropout's generator)."""
     if padded_head_dim <= 64:
-        return TcTileShape(128, 64 if block_sparse and local else 128, num_warps=4, min_blocks_per_sm=1)
+        narrow = (block_sparse and local) or score_mod
+        return TcTileShape(128, 64 if narrow else 128, num_warps=4, min_blocks_per_sm=1)
     if padded_head_dim <= 128:
         # The variable-length kernel at d128 spills 56 bytes with 64 keys (sm_90a): its sequence's
         # lengths and band live in registers where the fixed-length kernel reads parameters.
