@@ -7,7 +7,8 @@
 Works eagerly and under `jax.jit`: the kernels run through `jax.experimental.buffer_callback`,
 which hands XLA's own device buffers and CUDA stream to cupyflash, so nothing is copied and the
 launches are ordered with the rest of the XLA computation. The gradient is a `jax.custom_vjp`
-whose backward is `cupyflash.attention_backward`. On JAX's CPU backend the NumPy tiled fallback
+whose backward is `cupyflash.attention_backward`; `attention_varlen` does the same for packed
+variable-length batches. On JAX's CPU backend the NumPy tiled fallback
 runs instead. Importing this module imports jax, which cupyflash does not otherwise need.
 """
 
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy
 
-from cupyflash import _arrays, _attention, _validation, reference
+from cupyflash import _arrays, _attention, _validation
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -31,7 +32,7 @@ except ImportError as e:  # pragma: no cover - depends on the JAX version
         "cupyflash.jax needs a JAX with jax.experimental.buffer_callback (JAX 0.7 or newer)"
     ) from e
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]
 
 
 def attention(
@@ -92,6 +93,15 @@ class _Spec:
             step *= max(n, 1)
         self.strides = tuple(reversed(strides))
 
+    def __getitem__(self, key):
+        """x[None], the one indexing the shared checks do (a packed array seen as a batch of one)."""
+        if key is not None:
+            raise TypeError(f"only x[None] is supported, got {key!r}")
+        spec = object.__new__(_Spec)
+        spec.shape, spec.dtype, spec.ndim, spec.size = (1, *self.shape), self.dtype, self.ndim + 1, self.size
+        spec.strides = (max(self.size, 1) * self.dtype.itemsize, *self.strides)
+        return spec
+
 
 def _with_slopes(p, slopes, buffers):
     """The problem with the ALiBi slopes' buffer (the callback's last input) in place of its spec."""
@@ -107,24 +117,24 @@ def _forward(q, k, v, slopes, causal, scale, block_mask, window, softcap, dropou
         *map(_Spec, (q, k, v)), causal=causal, scale=scale, return_lse=True, window=window, softcap=softcap
     )
     p = _validation.check_alibi_slopes(None if slopes is None else _Spec(slopes), p)
-    p = _validation.check_dropout(*dropout, p)
     if block_mask is not None:
         p = _validation.check_block_mask(block_mask, p)
-    result = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((p.batch, p.heads, p.seqlen_q), _validation.lse_dtype(p.dtype_name)),
-    )
+    return _forward_call(_validation.check_dropout(*dropout, p), q, k, v, slopes)
+
+
+def _forward_call(p, q, k, v, slopes):
+    """out, lse of the validated problem p through a buffer callback: the kernels on XLA's
+    buffers and stream, or the CPU fallback on JAX's CPU backend."""
+    lse_shape = (p.heads, p.total_q) if p.cu_seqlens is not None else (p.batch, p.heads, p.seqlen_q)
+    result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, _validation.lse_dtype(p.dtype_name)))
 
     def run(ctx, outs, q, k, v, *rest):
         out, lse = outs
         run_p = _with_slopes(p, slopes, rest)
         if not _on_gpu(q):
-            o, l = reference.tiled_attention(
-                *map(numpy.asarray, (q, k, v)), causal=p.causal, scale=p.scale, return_lse=True,
-                block_mask=p.block_mask, window=p.window, **_attention._score_mod_options(run_p),
-            )
-            numpy.asarray(out)[...] = o.astype(out.dtype)
-            numpy.asarray(lse)[...] = l.astype(lse.dtype)
+            o, l = _attention._forward_cpu(*map(numpy.asarray, (q, k, v)), run_p)
+            numpy.asarray(out)[...] = o
+            numpy.asarray(lse)[...] = l
             return
         with _on_xla_stream(ctx, q):
             arrays = [_as_cupy(x, d.dtype) for x, d in zip((q, k, v, out, lse), (*given, *result))]
@@ -141,21 +151,21 @@ def _backward(dout, q, k, v, slopes, out, lse, causal, scale, deterministic, blo
         window=window, softcap=softcap,
     )
     p = _validation.check_alibi_slopes(None if slopes is None else _Spec(slopes), p)
-    p = _validation.check_dropout(*dropout, p)
     if block_mask is not None:
         p = _validation.check_block_mask(block_mask, p)
+    return _backward_call(_validation.check_dropout(*dropout, p), dout, q, k, v, slopes, out, lse)
+
+
+def _backward_call(p, dout, q, k, v, slopes, out, lse):
+    """dq, dk, dv of the validated problem p through a buffer callback, as `_forward_call`."""
     result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
 
     def run(ctx, grads, dout, q, k, v, out, lse, *rest):
         run_p = _with_slopes(p, slopes, rest)
         if not _on_gpu(q):
-            inputs = map(numpy.asarray, (dout, q, k, v, out, lse))
-            values = reference.tiled_attention_backward(
-                *inputs, causal=p.causal, scale=p.scale, block_mask=p.block_mask, window=p.window,
-                **_attention._score_mod_options(run_p),
-            )
+            values = _attention._backward_cpu(*map(numpy.asarray, (dout, q, k, v, out, lse)), run_p)
             for g, value in zip(grads, values):
-                numpy.asarray(g)[...] = value.astype(g.dtype)
+                numpy.asarray(g)[...] = value
             return
         with _on_xla_stream(ctx, q):
             arrays = [_as_cupy(x, d.dtype) for x, d in zip((dout, q, k, v, out, lse, *grads), (*given, *result))]
@@ -163,6 +173,85 @@ def _backward(dout, q, k, v, slopes, out, lse, causal, scale, deterministic, blo
 
     given = (dout, q, k, v, out, lse)
     return buffer_callback(run, result)(dout, q, k, v, out, lse, *([] if slopes is None else [slopes]))
+
+
+# --------------------------------------------------------------------------- variable-length batches
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, scale=None,
+    deterministic=False, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+):
+    """`cupyflash.attention_varlen` for packed JAX arrays (total, heads, head_dim), differentiable
+    through `cupyflash.attention_varlen_backward`. The lengths are static, like causal: cu_seqlens_q,
+    cu_seqlens_k must be concrete int32 values (NumPy arrays, lists, or JAX arrays that are not
+    traced; under `jax.jit`, close over them or pass them as static arguments), checked when the
+    call is traced; new lengths mean a new trace. Other arguments as `attention`. Returns out only."""
+    cu_seqlens = tuple(_concrete_lengths(x, name) for x, name in ((cu_seqlens_q, "cu_seqlens_q"),
+                                                                 (cu_seqlens_k, "cu_seqlens_k")))
+    window = None if window is None else tuple(window)
+    dropout = _validation.check_dropout_args(dropout_p, seed, offset)
+    if alibi_slopes is not None:
+        alibi_slopes = jnp.asarray(alibi_slopes, _validation.lse_dtype(_validation.dtype_name(q.dtype, "q")))
+        alibi_slopes = alibi_slopes.reshape(1, -1) if alibi_slopes.ndim == 1 else alibi_slopes
+    static = (cu_seqlens, max_seqlen_q, max_seqlen_k, bool(causal), scale, window, softcap, dropout)
+    return _varlen_vjp(q, k, v, alibi_slopes, static, bool(deterministic))
+
+
+def _concrete_lengths(x, name: str) -> tuple:
+    """cu_seqlens as a hashable value (for a static argument) from which `_lengths` rebuilds it
+    exactly, dtype included, for the shared checks."""
+    if isinstance(x, (list, tuple)):
+        return ("list", tuple(x))
+    try:
+        array = numpy.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(
+            f"{name} must be concrete (NumPy, a list, or a JAX array that is not traced): "
+            f"cupyflash.jax.attention_varlen takes the lengths as static arguments; under jax.jit close over them "
+            f"or mark them static"
+        ) from e
+    return ("array", array.tobytes(), array.dtype.str, array.shape)
+
+
+def _lengths(static) -> object:
+    if static[0] == "list":
+        return list(static[1])
+    _, data, dtype, shape = static
+    return numpy.frombuffer(data, numpy.dtype(dtype)).reshape(shape)
+
+
+def _varlen_problem(q, k, v, slopes, static, dout=None, out=None, lse=None, deterministic=False):
+    cu_seqlens, max_q, max_k, causal, scale, window, softcap, dropout = static
+    lengths = [_lengths(cu) for cu in cu_seqlens]
+    options = dict(causal=causal, scale=scale, window=window, softcap=softcap)
+    if dout is None:
+        p = _validation.check_varlen_args(*map(_Spec, (q, k, v)), *lengths, max_q, max_k, return_lse=True, **options)
+    else:
+        p = _validation.check_varlen_backward_args(*map(_Spec, (dout, q, k, v, out, lse)), *lengths, max_q, max_k,
+                                                   deterministic=deterministic, **options)
+    p = _validation.check_alibi_slopes(None if slopes is None else _Spec(slopes), p)
+    return _validation.check_dropout(*dropout, p)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _varlen_vjp(q, k, v, slopes, static, deterministic):
+    return _forward_call(_varlen_problem(q, k, v, slopes, static), q, k, v, slopes)[0]
+
+
+def _varlen_fwd(q, k, v, slopes, static, deterministic):
+    out, lse = _forward_call(_varlen_problem(q, k, v, slopes, static), q, k, v, slopes)
+    return out, (q, k, v, slopes, out, lse)
+
+
+def _varlen_bwd(static, deterministic, residuals, dout):
+    q, k, v, slopes, out, lse = residuals
+    p = _varlen_problem(q, k, v, slopes, static, dout, out, lse, deterministic)
+    grads = _backward_call(p, dout, q, k, v, slopes, out, lse)
+    return (*grads, None if slopes is None else jnp.zeros_like(slopes))
+
+
+_varlen_vjp.defvjp(_varlen_fwd, _varlen_bwd)
 
 
 def _on_gpu(buffer) -> bool:

@@ -48,6 +48,8 @@ def check_sequences(arrays, out, lse, grads, cu_q, cu_k, dtype, slopes=None, **o
     for b in range(len(cu_q) - 1):
         rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         mods = dict(options)
+        if mods.get("dropout_p"):  # sequence b has batch entry b's dropout mask
+            mods["dropout_batch_start"] = b
         if slopes is not None:
             mods["alibi_slopes"] = slopes if slopes.ndim == 1 else slopes[b]
         assert_matches_reference(q[None, rows], k[None, keys], v[None, keys], out[None, rows], lse[None, :, rows],
@@ -180,3 +182,25 @@ def test_torch_adapter(rng):
         deterministic=True)
     for got, want in zip((q.grad, k.grad, v.grad), expected):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_jax_adapter(rng, jax_gpu):
+    """cupyflash.jax.attention_varlen under jit with the lengths closed over (static), with softcap
+    and dropout; traced lengths are refused with a TypeError that says so."""
+    jax = jax_gpu
+    import jax.numpy as jnp
+
+    import cupyflash.jax
+
+    (q, k, v, dout), cu_q, cu_k = packed_problem(rng, "float32", ([5, 0, 33], [7, 2, 33]), 4, 2, 32)
+    qj, kj, vj, doutj = (jnp.asarray(x.get()) for x in (q, k, v, dout))
+    options = {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 5, "offset": 1}
+    f = jax.jit(lambda q, k, v: cupyflash.jax.attention_varlen(q, k, v, cu_q, cu_k, **options))
+    out, pullback = jax.vjp(f, qj, kj, vj)
+    grads = [numpy.asarray(g) for g in pullback(doutj)]
+    lse = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)[1]
+    check_sequences((q, k, v, dout), numpy.asarray(out), lse, grads, cu_q, cu_k, "float32", **options)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be concrete"):
+        jax.jit(lambda cu: cupyflash.jax.attention_varlen(qj, kj, vj, cu, cu_k))(jnp.asarray(cu_q))
+    with pytest.raises(TypeError, match="cu_seqlens_k"):
+        cupyflash.jax.attention_varlen(qj, kj, vj, cu_q, cu_k.astype(numpy.int64))
