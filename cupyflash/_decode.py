@@ -14,7 +14,7 @@ from cupyflash import _arrays, _attention, _instantiations, _validation, referen
 
 def attention_decode(
     q, k_cache, v_cache, cache_seqlens=None, *, k_new=None, v_new=None, causal=False, window=None, scale=None,
-    return_lse=False, num_splits=None,
+    return_lse=False, num_splits=None, softcap=None, alibi_slopes=None,
 ):
     """Attention for autoregressive decoding: q's few new positions against a key/value cache.
 
@@ -47,6 +47,8 @@ def attention_decode(
         at key position ``n - seqlen_q + i``. With causal=True and seqlen_q = seqlen_new, each new
         query sees the cache and the new keys up to its own.
     scale, return_lse : as `attention`.
+    softcap, alibi_slopes : as `attention`, with each query at its own position ``n - seqlen_q + i``
+        (ALiBi's distance to key j is ``|n - seqlen_q + i - j|``).
     num_splits : int, optional
         Thread blocks along the keys of each (sequence, K/V head), 1 to 128; None (default) picks
         enough to fill the GPU.
@@ -71,8 +73,9 @@ def attention_decode(
     >>> out.shape, bool((k_cache[0, 10] == k_new[0, 0]).all())
     ((2, 1, 4, 16), True)
     """
-    options = (causal, window, scale, return_lse, num_splits)
-    key = _step_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, options)
+    options = (causal, window, scale, return_lse, num_splits, softcap)
+    # With ALiBi slopes (an array), every call is checked in full.
+    key = None if alibi_slopes is not None else _step_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, options)
     problem = _checked_steps.get(key) if key is not None else None
     if problem is not None:  # a decoding loop's next step: the same arguments but for the data
         out, lse = _decode_gpu(q, k_cache, v_cache, k_new, v_new, cache_seqlens, problem)
@@ -97,8 +100,11 @@ def attention_decode(
     problem = _validation.check_decode_args(
         arrays["q"], arrays["k_cache"], arrays["v_cache"], lengths, arrays.get("k_new"), arrays.get("v_new"),
         causal=causal, scale=scale, return_lse=return_lse, window=window, num_splits=num_splits,
-        immutable_caches=immutable,
+        immutable_caches=immutable, softcap=softcap,
     )
+    if alibi_slopes is not None:
+        slopes = _attention._ingest_slopes(alibi_slopes, origins["q"])
+        problem = dataclasses.replace(problem, attention=_validation.check_alibi_slopes(slopes, problem.attention))
     q_, k_, v_ = arrays["q"], arrays["k_cache"], arrays["v_cache"]
     k_new_, v_new_ = arrays.get("k_new"), arrays.get("v_new")
     lengths = problem.cache_seqlens
@@ -160,11 +166,12 @@ def _decode_cpu(q, k, v, d: _validation.DecodeProblem):
     p = d.attention
     out = numpy.zeros(q.shape, q.dtype)
     lse = numpy.full((p.batch, p.heads, p.seqlen_q), -numpy.inf, _validation.lse_dtype(p.dtype_name))
+    slopes = None if p.alibi_slopes is None else reference._as_float64(p.alibi_slopes)
     for b in range(p.batch):
         n = p.seqlen_k if d.cache_seqlens is None else int(d.cache_seqlens[b])
         o, l = reference.tiled_attention(
             q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], causal=p.causal, scale=p.scale, return_lse=True,
-            window=p.window,
+            window=p.window, softcap=p.softcap, alibi_slopes=None if slopes is None else slopes[b % slopes.shape[0]],
         )
         out[b], lse[b] = o[0], l[0]
     return out, lse
@@ -174,7 +181,7 @@ def decode_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores=
     """The traits table's decode kernel: the tensor-core one for 16-bit inputs on sm_80+."""
     if tensor_cores is None:
         tensor_cores = _attention.tensor_cores_for(p, device_id)
-    return _instantiations.decode_kernel(p.dtype_name, p.head_dim, tensor_cores)
+    return _instantiations.decode_kernel(p.dtype_name, p.head_dim, tensor_cores, p.score_mod)
 
 
 @functools.cache
@@ -261,7 +268,9 @@ def launch_decode(q, k, v, k_new, v_new, lengths, out, lse, d: _validation.Decod
         window_left=p.seqlen_k if left is None else min(left, p.seqlen_k),
         window_right=p.seqlen_q if right is None else min(right, p.seqlen_q),
         scale_log2=p.scale * reference.LOG2E,
+        softcap_log2=0.0 if p.softcap is None else p.softcap * reference.LOG2E,
     )
+    slopes = _attention._slopes_fields(fields, p)  # noqa: F841 - alive until the launches are queued
     params = _attention._params(_instantiations.DECODE_PARAMS_DTYPE, fields)
 
     if d.seqlen_new and p.batch and heads_kv:

@@ -726,6 +726,7 @@ class _DecodeKernel:
 
     dtype_name: str
     head_dim: int  # padded
+    score_mod: bool = False  # softcap / ALiBi: the kernels' kScoreMod instantiation
 
     source_file = "flash_decode.cu"
     num_threads = 32 * DECODE_WARPS
@@ -737,7 +738,7 @@ class _DecodeKernel:
 
     @property
     def name_expression(self) -> str:
-        return f"cupyflash::{self.kernel_name}<{self.traits}>"
+        return f"cupyflash::{self.kernel_name}<{self.traits}{', true' if self.score_mod else ''}>"
 
     def merge_bytes(self) -> int:
         """DecodeLayout::kMergeBytes: every warp's m, l and O for the block's rows, in Accum."""
@@ -829,15 +830,17 @@ class DecodeStepKernel:
         return ""
 
 
-def decode_kernel(dtype_name: str, head_dim: int, tensor_cores: bool = False):
-    """The decode kernel for a problem: TcDecodeKernel with tensor_cores (16-bit only), else DecodeKernel."""
+def decode_kernel(dtype_name: str, head_dim: int, tensor_cores: bool = False, score_mod: bool = False):
+    """The decode kernel for a problem: TcDecodeKernel with tensor_cores (16-bit only), else
+    DecodeKernel; their score-modifier (softcap, ALiBi) instantiation with score_mod."""
     _check_tensor_core_dtype(dtype_name, tensor_cores)
-    return (TcDecodeKernel if tensor_cores else DecodeKernel)(dtype_name, padded_head_dim(head_dim))
+    return (TcDecodeKernel if tensor_cores else DecodeKernel)(dtype_name, padded_head_dim(head_dim), score_mod)
 
 
 def all_decode_kernels() -> list:
-    kernels = [DecodeKernel(name, d) for name in DTYPE_NAMES for d in PADDED_HEAD_DIMS]
-    kernels += [TcDecodeKernel(name, d) for name in TENSOR_CORE_DTYPES for d in PADDED_HEAD_DIMS]
+    kernels = [DecodeKernel(name, d, mod) for name in DTYPE_NAMES for d in PADDED_HEAD_DIMS for mod in (False, True)]
+    kernels += [TcDecodeKernel(name, d, mod) for name in TENSOR_CORE_DTYPES for d in PADDED_HEAD_DIMS
+                for mod in (False, True)]
     return kernels + [DecodeStepKernel(step, name) for name in DTYPE_NAMES for step in ("combine", "append")]
 
 
@@ -847,7 +850,7 @@ DECODE_PARAMS_DTYPE = numpy.dtype(
     + [(f"{t}_{s}_stride", "i8") for t in ("q", "k", "v", "k_new", "v_new", "o") for s in ("batch", "row", "head")]
     + [(name, "i4") for name in ("batch", "heads", "kv_group", "seqlen_q", "cache_len", "seqlen_new", "head_dim")]
     + [(name, "i4") for name in ("window_left", "window_right", "num_splits", "rows")]
-    + [("scale_log2", "f8")],
+    + [("scale_log2", "f8"), ("softcap_log2", "f8"), ("alibi_slopes", "u8"), ("alibi_batch_stride", "i8")],
     align=True,
 )
 

@@ -558,14 +558,15 @@ class DecodeProblem:
 
 
 def check_decode_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, causal, scale, return_lse, window,
-                      num_splits, immutable_caches=False) -> DecodeProblem:
+                      num_splits, immutable_caches=False, softcap=None) -> DecodeProblem:
     """Validates attention_decode's arguments (NumPy or CuPy arrays, already on one side).
 
     cache_seqlens: None, an int, or an integer array of shape (batch,). Its values are checked
     (0 <= c, c + seqlen_new <= cache_len) when they live on the host; on the GPU they are used as
     given (reading them back would stall every decoding step), the kernels clamping to the cache."""
     try:
-        p = check_attention_args(q, k_cache, v_cache, causal=causal, scale=scale, return_lse=return_lse, window=window)
+        p = check_attention_args(q, k_cache, v_cache, causal=causal, scale=scale, return_lse=return_lse, window=window,
+                                 softcap=softcap)
     except (TypeError, ValueError) as e:  # the same checks, naming the caches as the caller knows them
         message = re.sub(r"\b([kv])\b", r"\1_cache", str(e)).replace("seqlen_k", "cache_len")
         raise type(e)(message) from None

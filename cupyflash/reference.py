@@ -153,11 +153,12 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, ret
 
 def attention_decode(
     q, k_cache, v_cache, cache_seqlens=None, *, k_new=None, v_new=None, causal=False, window=None, scale=None,
-    return_lse=False,
+    return_lse=False, softcap=None, alibi_slopes=None,
 ):
     """KV-cache decoding in float64 (semantics of `cupyflash.attention_decode`), one sequence at a
-    time: its cached keys, then k_new, attended to with `attention`. The caches are left as they
-    are (the append happens on copies)."""
+    time: its cached keys, then k_new, attended to with `attention` (softcap and ALiBi slopes of
+    shape (heads,) or (batch, heads) included). The caches are left as they are (the append
+    happens on copies)."""
     q = _as_float64(q)
     k, v = numpy.array(_as_float64(k_cache)), numpy.array(_as_float64(v_cache))
     batch, seqlen_q, heads, _ = q.shape
@@ -171,9 +172,12 @@ def attention_decode(
         lengths = lengths + k_new.shape[1]
     out = numpy.zeros(q.shape)
     lse = numpy.full((batch, heads, seqlen_q), -numpy.inf)
+    slopes = None if alibi_slopes is None else _as_float64(alibi_slopes).reshape(-1, heads)
     for b in range(batch):
         args = (q[b : b + 1], k[b : b + 1, : lengths[b]], v[b : b + 1, : lengths[b]])
-        o, l = attention(*args, causal=causal, scale=scale, return_lse=True, window=window)
+        row = None if slopes is None else slopes[b % slopes.shape[0]]
+        o, l = attention(*args, causal=causal, scale=scale, return_lse=True, window=window, softcap=softcap,
+                         alibi_slopes=row)
         out[b], lse[b] = o[0], l[0]
     return (out, lse) if return_lse else out
 

@@ -189,8 +189,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
                 Accum dQ[QG::kRowsPerThread][QG::kOColsPerThread];
                 zero_tile<QG>(dQ);
                 accumulate_pv<QG>(dQ, sdS, sK, qy, qx);  // dQ_i += dS_ij K_j  (line 15)
-                atomic_add_dq<QG>(params, dQ, q_batch, head_idx, row0, qy, qx,
-                                  static_cast<Accum>(params.scale) * dropout_rescale<kScoreMod, Accum>(params));
+                atomic_add_dq<QG, kScoreMod>(params, dQ, q_batch, head_idx, row0, qy, qx);
             }
         }
     }
@@ -202,8 +201,9 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
     Storage* dv = static_cast<Storage*>(params.dv) + k_batch * params.dv_batch_stride +
                   kv_head * params.dv_head_stride + col0 * params.dv_row_stride;
     const Accum rescale = dropout_rescale<kScoreMod, Accum>(params);
-    store_tile<G>(dk, params.dk_row_stride, keys_valid, params.head_dim, dK, static_cast<Accum>(kLn2) * rescale, ty, tx);
-    store_tile<G>(dv, params.dv_row_stride, keys_valid, params.head_dim, dV, rescale, ty, tx);
+    store_tile<G>(dk, params.dk_row_stride, keys_valid, params.head_dim, dK,
+                  kScoreMod ? static_cast<Accum>(kLn2) * rescale : static_cast<Accum>(kLn2), ty, tx);
+    store_tile<G>(dv, params.dv_row_stride, keys_valid, params.head_dim, dV, kScoreMod ? rescale : Accum(1), ty, tx);
 }
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Dt::kNThreads. Shared memory: Dt::kSmemBytes.
@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     Storage* dq = static_cast<Storage*>(params.dq) + q_batch * params.dq_batch_stride +
                   head_idx * params.dq_head_stride + row0 * params.dq_row_stride;
     store_tile<Dt>(dq, params.dq_row_stride, rows_valid, params.head_dim, dQ,
-                   static_cast<Accum>(params.scale) * dropout_rescale<kScoreMod, Accum>(params), ty, tx);
+                   static_cast<Accum>(dropout_scaled<kScoreMod>(params, params.scale)), ty, tx);
 }
 
 // Grid: (ceil(seqlen_q / kRowsPerBlock), heads, batch); one warp per query row.

@@ -197,15 +197,16 @@ __device__ __forceinline__ void zero_tile(typename Grid::Accum (&X)[Grid::kRowsP
         for (int c = 0; c < Grid::kOColsPerThread; ++c) X[i][c] = typename Grid::Accum(0);
 }
 
-// dQ_i += scale · dS_ij K_j into the float32 (float64) workspace (scale: the softmax scale, times
-// dropout's 1 / (1 - p)). Atomics, because every key block adds to the same dQ_i; their order, and
-// so the last bits of dQ, vary from run to run.
-template <typename Grid>
+// dQ_i += scale · dS_ij K_j into the float32 (float64) workspace (kRescale: scale times dropout's
+// 1 / (1 - p)). Atomics, because every key block adds to the same dQ_i; their order, and so the
+// last bits of dQ, vary from run to run.
+template <typename Grid, bool kRescale = false>
 __device__ __forceinline__ void atomic_add_dq(
     const BwdParams& params, const typename Grid::Accum (&dQ)[Grid::kRowsPerThread][Grid::kOColsPerThread],
-    int batch_idx, int head_idx, int row0, int ty, int tx, typename Grid::Accum scale) {
+    int batch_idx, int head_idx, int row0, int ty, int tx) {
     using Accum = typename Grid::Accum;
     Accum* dq_accum = static_cast<Accum*>(params.dq_accum);
+    const Accum scale = static_cast<Accum>(params.scale);
 #pragma unroll
     for (int i = 0; i < Grid::kRowsPerThread; ++i) {
         const int row = row0 + ty * Grid::kRowsPerThread + i;
@@ -216,7 +217,12 @@ __device__ __forceinline__ void atomic_add_dq(
 #pragma unroll
             for (int e = 0; e < Grid::kVecO; ++e) {
                 const int col = (jc * Grid::kColGroups + tx) * Grid::kVecO + e;
-                if (col < params.head_dim) atomicAdd(dq_row + col, dQ[i][jc * Grid::kVecO + e] * scale);
+                if (col < params.head_dim) {
+                    if constexpr (kRescale)
+                        atomicAdd(dq_row + col, dQ[i][jc * Grid::kVecO + e] * (scale * static_cast<Accum>(params.dropout_rescale)));
+                    else
+                        atomicAdd(dq_row + col, dQ[i][jc * Grid::kVecO + e] * scale);
+                }
             }
     }
 }

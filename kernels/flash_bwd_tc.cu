@@ -56,14 +56,14 @@ __device__ __forceinline__ void mma_other_queries(float (&C)[Bt::kMTiles][kNTile
     }
 }
 
-// dQ_i += scale · dS_ij K_j (atomic mode) from dS^T in shared memory: this warp's share of the
+// dQ_i += scale · dS_ij K_j (atomic mode; kRescale: times dropout's 1 / (1 - p)) from dS^T in
+// shared memory: this warp's share of the
 // kBlockM x kHeadDimOut tile (TcBwdDkdvTraits::kDqWarpsM x kDqWarpsN), added to the float32
 // workspace with atomics, kDqChunk columns at a time (a whole row slice of dQ_i would sit in
 // registers beside dK_j and dV_j).
-template <typename Bt>
+template <typename Bt, bool kRescale = false>
 __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned sdSt, unsigned sK, int q_row0,
-                                             int col_out0, int batch_idx, int head_idx, int warp, int lane,
-                                             float scale) {
+                                             int col_out0, int batch_idx, int head_idx, int warp, int lane) {
     const int wm = warp % Bt::kDqWarpsM, wn = warp / Bt::kDqWarpsM;
     if (wn >= Bt::kDqWarpsN) return;
     const int dq_row0 = q_row0 + wm * Bt::kDqMTiles * 16, dq_col0 = col_out0 + wn * Bt::kDqCols;
@@ -77,8 +77,12 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned s
         zero(dQ);
         gemm_ab_ss<typename Bt::Op, true, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kPStride, Bt::kStride>(
             dQ, sdSt + wm * Bt::kDqMTiles * 16 * 2, sK + (dq_col0 + c) * 2, lane);
-        atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c, dQ,
-                             scale, Fragment(lane));
+        if constexpr (kRescale)
+            atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c,
+                                 dQ, static_cast<float>(params.scale * params.dropout_rescale), Fragment(lane));
+        else
+            atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c,
+                                 dQ, static_cast<float>(params.scale), Fragment(lane));
     }
 }
 
@@ -291,13 +295,12 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             // each of an SM's four schedulers, warp w and w + 4): the atomics of all warps at once
             // would queue up in the load/store unit.
             const bool dq_first = warp % 8 < 4;
-            const float dq_scale = static_cast<float>(params.scale) * dropout_rescale<kScoreMod, float>(params);
             if (params.dq_accum != nullptr && dq_first)
-                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane, dq_scale);
+                add_dq_share<Bt, kScoreMod>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane);
             if (Bt::kDoBuffers == 2) mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
             mma_other_queries<Bt>(dK, sdSt_warp, sQ_i, wq, warp_cols, lane);
             if (params.dq_accum != nullptr && !dq_first)
-                add_dq_share<Bt>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane, dq_scale);
+                add_dq_share<Bt, kScoreMod>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane);
         }
         __syncthreads();  // every warp is done with this head's last Q_i, dO_i before the next head's land
     }
@@ -308,11 +311,19 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                   kv_head * params.dk_head_stride + warp_key0 * params.dk_row_stride + warp_cols;
     Storage* dv = static_cast<Storage*>(params.dv) + k_batch * params.dv_batch_stride +
                   kv_head * params.dv_head_stride + warp_key0 * params.dv_row_stride + warp_cols;
-    const float rescale = dropout_rescale<kScoreMod, float>(params);
-    store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
-                                          params.head_dim - warp_cols, dK, static_cast<float>(params.scale) * rescale, f);
-    store_fragments<typename Bt::Element>(dv, params.dv_row_stride, params.seqlen_k - warp_key0,
-                                          params.head_dim - warp_cols, dV, rescale, f);
+    if constexpr (kScoreMod) {  // dropout's 1 / (1 - p) on both
+        const float rescale = static_cast<float>(params.dropout_rescale);
+        store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
+                                              params.head_dim - warp_cols, dK,
+                                              static_cast<float>(params.scale * params.dropout_rescale), f);
+        store_fragments<typename Bt::Element>(dv, params.dv_row_stride, params.seqlen_k - warp_key0,
+                                              params.head_dim - warp_cols, dV, rescale, f);
+    } else {
+        store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
+                                              params.head_dim - warp_cols, dK, static_cast<float>(params.scale), f);
+        store_fragments<typename Bt::Element>(dv, params.dv_row_stride, params.seqlen_k - warp_key0,
+                                              params.head_dim - warp_cols, dV, 1.f, f);
+    }
 }
 
 // Grid: (ceil(seqlen_q / kBlockM) · kOutSplit, heads, batch). Block: Dt::kNThreads.
@@ -476,7 +487,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
     Storage* dq = static_cast<Storage*>(params.dq) + q_batch * params.dq_batch_stride +
                   head_idx * params.dq_head_stride + warp_row0 * params.dq_row_stride + col_out0;
     store_fragments<typename Dt::Element>(dq, params.dq_row_stride, params.seqlen_q - warp_row0, params.head_dim - col_out0,
-                                          dQ, static_cast<float>(params.scale) * dropout_rescale<kScoreMod, float>(params), f);
+                                          dQ, static_cast<float>(dropout_scaled<kScoreMod>(params, params.scale)), f);
 }
 
 }  // namespace cupyflash

@@ -104,8 +104,11 @@ __device__ __forceinline__ void load_decode_tile(unsigned s_tile, const typename
     }
 }
 
-template <typename Kt>
-__global__ void __launch_bounds__(Kt::kNThreads) flash_decode_tc_kernel(const DecodeParams params) {
+// kScoreMod: softcap and ALiBi, in an instantiation of their own that leaves the unmodified kernel as
+// it was, with one block per SM as its launch bound (without one, ptxas held it to fewer registers
+// than the modifiers need and it spilled).
+template <typename Kt, bool kScoreMod = false>
+__global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode_tc_kernel(const DecodeParams params) {
     using Storage = typename Kt::Storage;
     using Op = typename Kt::Op;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -143,14 +146,18 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_tc_kernel(const De
         for (int ks = 0; ks < Kt::kKSteps; ++ks) ldmatrix_x4(Q[ks], a0 + ks * 16 * 2);
     }
 
-    // The keys this lane's two fragment rows see: [first, last] of the bottom-right band.
+    // The keys this lane's two fragment rows see: [first, last] of the bottom-right band; with
+    // ALiBi, their slopes.
     int first[2], last[2];
+    float slope[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int query = (block.row0 + f.row(0, h)) / params.kv_group + seqlen_k - params.seqlen_q;
         first[h] = query - params.window_left;
         last[h] = min(seqlen_k - 1, query + params.window_right);
+        slope[h] = decode_row_slope<float>(params, block.batch_idx, block.kv_head, block.row0 + f.row(0, h));
     }
+    const bool modified = kScoreMod && decode_scores_modified(params);
 
     float O[1][Kt::kHeadDim / 8][4];
     float m[1][2] = {{neg_inf<float>(), neg_inf<float>()}}, l[1][2] = {{0.f, 0.f}};
@@ -187,7 +194,31 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_tc_kernel(const De
                     const int key = col0 + f.col(nt, e);
                     if (key < first[h] || key > last[h]) S[0][nt][2 * h + e] = neg_inf<float>();
                 }
-        online_softmax_tc<Kt>(S, O, m, l, scale_log2);
+        if (modified) {  // softcap, ALiBi: S becomes the modified scores in log2 units
+            const auto modify = [&](auto softcap) {
+                constexpr bool kSoftcap = decltype(softcap)::value;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const ScoreMod<float> mod(static_cast<float>(params.softcap_log2), slope[h]);
+                    const int query = first[h] + params.window_left;  // the row's own key position
+#pragma unroll
+                    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            float dx;
+                            const float distance = fabsf(static_cast<float>(query - (col0 + f.col(nt, e))));
+                            S[0][nt][2 * h + e] = mod.apply_at<true, kSoftcap>(S[0][nt][2 * h + e] * scale_log2, distance, dx);
+                        }
+                }
+            };
+            if (params.softcap_log2 != 0.0)
+                modify(BoolConstant<true>());
+            else
+                modify(BoolConstant<false>());
+            online_softmax_tc<Kt>(S, O, m, l, 1.f);
+        } else {
+            online_softmax_tc<Kt>(S, O, m, l, scale_log2);
+        }
         unsigned P[1][1][4];
         to_a_fragments<Op>(S, P);
         gemm_ab_rs<Op, 1, Kt::kHeadDim / 8, 1, Kt::kStride>(O, P, sV, lane);
@@ -225,8 +256,9 @@ struct DecodeTraits : DecodeLayout<Element_, kHeadDim_, kRows_, kNWarps_, 32 * k
     static constexpr int kSmemBytes = kQBytes > Base::kMergeBytes ? kQBytes : Base::kMergeBytes;
 };
 
-template <typename Kt>
-__global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const DecodeParams params) {
+// kScoreMod: as the tensor-core kernel's.
+template <typename Kt, bool kScoreMod = false>
+__global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode_kernel(const DecodeParams params) {
     using Accum = typename Kt::Accum;
     using Storage = typename Kt::Storage;
     using Numeric = typename Kt::Numeric;
@@ -254,6 +286,7 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Decod
         for (int j = 0; j < Kt::kColsPerLane; ++j) O[r][j] = Accum(0);
     }
     const int offset = seqlen_k - params.seqlen_q;  // query i sits at key position i + offset
+    const bool modified = kScoreMod && decode_scores_modified(params);
     for (int t = tiles.x; t < tiles.y; ++t) {
         const int col0 = t * Kt::kBlockN + warp * Kt::kWarpKeys;
         const int keys = min(Kt::kWarpKeys, seqlen_k - col0);  // may be <= 0 in the last tile
@@ -279,6 +312,12 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Decod
             const int query = (block.row0 + r) / params.kv_group + offset;
             if (lane >= keys || key < query - params.window_left || key > query + params.window_right)
                 S[r] = neg_inf<Accum>();
+            if (modified) {  // softcap, ALiBi (S is in log2 units: Q was prescaled)
+                const ScoreMod<Accum> mod(static_cast<Accum>(params.softcap_log2),
+                                          decode_row_slope<Accum>(params, block.batch_idx, block.kv_head, block.row0 + r));
+                Accum dx;
+                S[r] = mod.template apply<false>(S[r], query, key, dx);
+            }
             const Accum m_new = max_(m[r], warp_max(S[r]));
             const Accum m_safe = m_new == neg_inf<Accum>() ? Accum(0) : m_new;
             const Accum rescale = exp2_(m[r] - m_safe);

@@ -49,7 +49,25 @@ struct DecodeParams {
     int num_splits;    // thread blocks per (row block, K/V head, batch) along the keys
     int rows;          // seqlen_q * kv_group: packed rows per K/V head
     double scale_log2;  // softmax scale * log2(e)
+    // Score modifiers, as in FwdParams (ScoreMod): a runtime choice here, as decoding is memory-bound.
+    double softcap_log2;           // softcap·log2(e); 0: none
+    const void* alibi_slopes;      // [batch or 1][heads], contiguous Accum; nullptr: none
+    long long alibi_batch_stride;  // 0: one row of slopes for every batch entry
 };
+
+__device__ __forceinline__ bool decode_scores_modified(const DecodeParams& params) {
+    return params.softcap_log2 != 0.0 || params.alibi_slopes != nullptr;
+}
+
+// ALiBi's slope of packed row `row` (its head: kv_head·kv_group + row % kv_group) in log2 units; 0
+// without ALiBi or past the valid rows.
+template <typename Accum>
+__device__ __forceinline__ Accum decode_row_slope(const DecodeParams& params, int batch_idx, int kv_head, int row) {
+    if (params.alibi_slopes == nullptr || row >= params.rows) return Accum(0);
+    const int head = kv_head * params.kv_group + row % params.kv_group;
+    return static_cast<Accum>(kLog2e) *
+           static_cast<const Accum*>(params.alibi_slopes)[batch_idx * params.alibi_batch_stride + head];
+}
 
 // Keys of batch b after the append (never past the cache's capacity).
 __device__ __forceinline__ int decode_seqlen_k(const DecodeParams& params, int batch_idx) {

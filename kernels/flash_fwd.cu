@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         accumulate_pv<Kt>(O, sP, sV, ty, tx);
     }
 
-    epilogue<Kt>(params, O, m, l, q_batch, head_idx, row0, ty, tx, dropout_rescale<kScoreMod, Accum>(params));
+    epilogue<Kt, kScoreMod>(params, O, m, l, q_batch, head_idx, row0, ty, tx, dropout_rescale<kScoreMod, Accum>(params));
 }
 
 // Grid: (ceil(seqlen_q·seqlen_k / kThreads), heads, batch). Dropout's keep mask Z_ij as bytes (1:

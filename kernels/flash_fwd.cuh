@@ -190,6 +190,10 @@ struct ScoreMod {
                           batch_idx * params.alibi_batch_stride + head_idx]),
           diagonal(params.seqlen_k - params.seqlen_q) {}
 
+    // The decode kernels' form: cap and slope in log2 units, given; positions passed as key positions.
+    __device__ __forceinline__ ScoreMod(Accum cap_log2, Accum slope_log2)
+        : cap(cap_log2), inv_cap(cap_log2 > Accum(0) ? Accum(1) / cap_log2 : Accum(0)), slope(slope_log2), diagonal(0) {}
+
     __device__ __forceinline__ bool softcap() const { return cap != Accum(0); }
 
     // query + diagonal - key, whose absolute value is ALiBi's distance: the tensor-core kernels
@@ -254,7 +258,23 @@ __device__ __forceinline__ typename DropoutFor<kScoreMod>::type dropout_for(cons
 // The factor dropout puts on the output and the gradients: 1 / (1 - p), 1 where kernels have no dropout.
 template <bool kScoreMod, typename Accum, typename Params>
 __device__ __forceinline__ Accum dropout_rescale(const Params& params) {
-    return kScoreMod ? static_cast<Accum>(params.dropout_rescale) : Accum(1);
+    if constexpr (kScoreMod) {
+        return static_cast<Accum>(params.dropout_rescale);
+    } else {
+        return Accum(1);
+    }
+}
+
+// value · dropout's 1 / (1 - p) in kScoreMod kernels, the value itself elsewhere. (An if constexpr:
+// `kScoreMod ? value * rescale : value` changed NVRTC's code for the unmodified kernels, which then
+// spilled at 255 registers.)
+template <bool kScoreMod, typename Params>
+__device__ __forceinline__ double dropout_scaled(const Params& params, double value) {
+    if constexpr (kScoreMod) {
+        return value * params.dropout_rescale;
+    } else {
+        return value;
+    }
 }
 
 template <typename Params>
@@ -474,12 +494,14 @@ __device__ __forceinline__ void accumulate_pv(
 }
 
 // Algorithm 1, lines 12-14: O_i = O_i / l_i and lse_i = m_i + log(l_i), written once. A row that
-// saw no key (l_i = 0) gets output 0 and lse -inf. out_scale: dropout's 1 / (1 - p), else 1.
-template <typename Kt>
+// saw no key (l_i = 0) gets output 0 and lse -inf. kRescale: O_i times out_scale as well (dropout's
+// 1 / (1 - p)); without it the code is exactly what it was before dropout existed (a division of a
+// runtime 1 instead of the constant changed NVRTC's code and spilled some kernels).
+template <typename Kt, bool kRescale = false>
 __device__ __forceinline__ void epilogue(
     const FwdParams& params, const typename Kt::Accum (&O)[Kt::kRowsPerThread][Kt::kOColsPerThread],
     const typename Kt::Accum (&m)[Kt::kRowsPerThread], const typename Kt::Accum (&l)[Kt::kRowsPerThread],
-    int batch_idx, int head_idx, int row0, int ty, int tx, typename Kt::Accum out_scale) {
+    int batch_idx, int head_idx, int row0, int ty, int tx, typename Kt::Accum out_scale = 1) {
     using Accum = typename Kt::Accum;
     using Storage = typename Kt::Storage;
     Storage* o = static_cast<Storage*>(params.o);
@@ -488,7 +510,7 @@ __device__ __forceinline__ void epilogue(
         const Accum l_row = row_allreduce<Kt>(l[i], [](Accum a, Accum b) { return a + b; });
         const int row = row0 + ty * Kt::kRowsPerThread + i;
         if (row >= params.seqlen_q) continue;
-        const Accum inv_l = l_row > Accum(0) ? out_scale / l_row : Accum(0);
+        const Accum inv_l = l_row > Accum(0) ? (kRescale ? out_scale / l_row : Accum(1) / l_row) : Accum(0);
         Storage* o_row = o + batch_idx * params.o_batch_stride + row * params.o_row_stride +
                          head_idx * params.o_head_stride;
 #pragma unroll

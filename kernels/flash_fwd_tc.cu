@@ -11,12 +11,12 @@
 namespace cupyflash {
 
 // Algorithm 1, lines 12-13: O_i / l_i written in the element type, lse_i = m_i·ln2 + ln(l_i).
-// out_scale: dropout's 1 / (1 - p), else 1.
-template <typename Kt>
+// kRescale: O_i times out_scale too (dropout's 1 / (1 - p)), as the scalar epilogue.
+template <typename Kt, bool kRescale = false>
 __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
                                          const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
                                          int batch_idx, int head_idx, int warp_row0, const Fragment& f,
-                                         float out_scale) {
+                                         float out_scale = 1.f) {
     float* lse = static_cast<float*>(params.lse) + batch_idx * params.lse_batch_stride +
                  head_idx * params.lse_head_stride;
 #pragma unroll
@@ -24,7 +24,7 @@ __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const float l_row = quad_sum(l[mt][h]);
-            const float inv_l = l_row > 0.f ? out_scale / l_row : 0.f;
+            const float inv_l = l_row > 0.f ? (kRescale ? out_scale / l_row : 1.f / l_row) : 0.f;
 #pragma unroll
             for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
                 O[mt][dt][2 * h] *= inv_l;
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         gemm_ab_rs<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles / 2, Kt::kStride>(O, P, sV, lane);
     }
 
-    epilogue_tc<Kt>(params, O, m, l, q_batch, head_idx, warp_row0, f, dropout_rescale<kScoreMod, float>(params));
+    epilogue_tc<Kt, kScoreMod>(params, O, m, l, q_batch, head_idx, warp_row0, f, dropout_rescale<kScoreMod, float>(params));
 }
 
 }  // namespace cupyflash

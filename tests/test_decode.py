@@ -129,3 +129,33 @@ def test_decode_instantiations_cover_every_dtype_and_head_dim():
                 assert _instantiations.decode_kernel(name, d, tensor_cores=True) in kernels
     with pytest.raises(ValueError, match="tensor-core kernels take float16 or bfloat16"):
         _instantiations.decode_kernel("float32", 64, tensor_cores=True)
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("slopes_shape", [(4,), (3, 4)])
+def test_fallback_softcap_and_alibi(rng, slopes_shape):
+    """Softcap and ALiBi with each query at its own cache position: the reference per sequence
+    (`attention` with per-sequence slopes), which the fallback and the kernels follow."""
+    q, k_cache, v_cache, k_new, v_new = random_decode(rng, dtype=numpy.float64)
+    lengths = numpy.array([5, 0, 38], numpy.int32)
+    slopes = rng.uniform(0.01, 0.5, slopes_shape)
+    options = {"causal": True, "softcap": 2.5, "alibi_slopes": slopes, "return_lse": True}
+    want, want_lse = reference.attention_decode(q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, **options)
+    for b, n in enumerate(lengths + 2):
+        keys = numpy.concatenate([k_cache[b : b + 1, : n - 2], k_new[b : b + 1]], axis=1)
+        values = numpy.concatenate([v_cache[b : b + 1, : n - 2], v_new[b : b + 1]], axis=1)
+        row = slopes if slopes.ndim == 1 else slopes[b]
+        o, l = reference.attention(q[b : b + 1], keys, values, causal=True, softcap=2.5, alibi_slopes=row,
+                                   return_lse=True)
+        numpy.testing.assert_allclose(want[b : b + 1], o, atol=1e-13)
+    out, lse = cupyflash.attention_decode(q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, **options)
+    numpy.testing.assert_allclose(out, want, atol=1e-12)
+    numpy.testing.assert_allclose(lse, want_lse, atol=1e-12)
+
+
+def test_decode_softcap_and_alibi_are_checked(rng):
+    q, k_cache, v_cache, _, _ = random_decode(rng)
+    with pytest.raises(ValueError, match="softcap must be finite and positive"):
+        cupyflash.attention_decode(q, k_cache, v_cache, softcap=-1.0)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        cupyflash.attention_decode(q, k_cache, v_cache, alibi_slopes=numpy.ones(3))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 def decode_and_check(rng, dtype, *, batch=3, seqlen_q=1, heads=4, heads_kv=4, head_dim=64, cache_len=700,
                      lengths=None, seqlen_new=0, causal=False, window=None, num_splits=None, host_lengths=False,
-                     layout="contiguous"):
+                     layout="contiguous", softcap=None, alibi=None):
     """One attention_decode call, checked per sequence against `assert_matches_reference` over
     that sequence's keys, and the caches checked bit for bit after the append."""
     import cupy
@@ -43,9 +43,13 @@ def decode_and_check(rng, dtype, *, batch=3, seqlen_q=1, heads=4, heads_kv=4, he
         k_new, v_new = array((batch, seqlen_new, heads_kv, head_dim)), array((batch, seqlen_new, heads_kv, head_dim))
     k_before, v_before = k_cache.get(), v_cache.get()
 
+    # ALiBi: "heads" (one row of slopes, on the host) or "batch" (per sequence, on the GPU).
+    slopes = None if alibi is None else 2.0 ** (-8.0 * (numpy.arange(heads) + 1) / heads)
+    if alibi == "batch":
+        slopes = cupy.asarray(slopes * rng.uniform(0.5, 2.0, (batch, heads)), cupy.float32)
     out, lse = cupyflash.attention_decode(
         q, k_cache, v_cache, list(lengths) if host_lengths else cupy.asarray(lengths), k_new=k_new, v_new=v_new,
-        causal=causal, window=window, return_lse=True, num_splits=num_splits,
+        causal=causal, window=window, return_lse=True, num_splits=num_splits, softcap=softcap, alibi_slopes=slopes,
     )
     assert isinstance(out, cupy.ndarray) and out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (batch, heads, seqlen_q)
@@ -58,10 +62,15 @@ def decode_and_check(rng, dtype, *, batch=3, seqlen_q=1, heads=4, heads_kv=4, he
                 expected[b, n : n + seqlen_new] = new[b].get()
         numpy.testing.assert_array_equal(bits(after), bits(expected))
 
+    accum = numpy.float64 if dtype == "float64" else numpy.float32  # the slopes as the kernels read them
+    seen = None if slopes is None else reference._as_float64(reference._as_float64(slopes).astype(accum))
     for b, n in enumerate(lengths + seqlen_new):
+        mods = {"softcap": softcap}
+        if seen is not None:
+            mods["alibi_slopes"] = seen if seen.ndim == 1 else seen[b]
         assert_matches_reference(
             q[b : b + 1], k_after[b : b + 1, :n], v_after[b : b + 1, :n], out[b : b + 1], lse[b : b + 1], dtype,
-            causal, window=window,
+            causal, window=window, **mods,
         )
     return out, lse
 
@@ -227,3 +236,21 @@ def test_jax_caches_are_read_and_never_appended_to(rng, jax_gpu):
     k_new = jnp.zeros((2, 1, 2, 64), jnp.float32)
     with pytest.raises(TypeError, match="JAX arrays, which are immutable"):
         cupyflash.attention_decode(q, k_cache, v_cache, [0, 0], k_new=k_new, v_new=k_new)
+
+
+@pytest.mark.parametrize("softcap,alibi", [(2.0, None), (None, "heads"), (5.0, "batch")])
+@pytest.mark.parametrize("heads,heads_kv,seqlen_q", [(8, 2, 1), (6, 1, 5), (4, 4, 16)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_softcap_and_alibi(rng, nan_outputs, dtype, heads, heads_kv, seqlen_q, softcap, alibi):
+    """Softcap and ALiBi with each query at its own position in the cache (causal and not, with an
+    append, GQA/MQA, split and unsplit), on the tensor-core and CUDA-core decode kernels."""
+    for causal, num_splits in ((True, None), (False, 1)):
+        decode_and_check(rng, dtype, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, head_dim=59, cache_len=1031,
+                         seqlen_new=seqlen_q, causal=causal, num_splits=num_splits, softcap=softcap, alibi=alibi)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_decode_softcap_and_alibi_scalar_kernel_and_window(rng, nan_outputs, monkeypatch, head_dim):
+    monkeypatch.setattr(_attention, "tensor_cores_for", lambda p, device_id: False)
+    decode_and_check(rng, "bfloat16", seqlen_q=3, heads=4, heads_kv=2, head_dim=head_dim, cache_len=900,
+                     seqlen_new=3, causal=True, window=(100, None), softcap=3.0, alibi="batch")

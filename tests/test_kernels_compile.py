@@ -137,8 +137,9 @@ def test_check_kernels_command(tmp_path):
     cmd = [sys.executable, "-m", "cupyflash", "check-kernels", "--arch", "sm_80", "--dtype", "float64"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
     assert done.returncode == 0, done.stdout + done.stderr
-    # 63 forward, 126 + 2 backward (dense, block-sparse, score modifiers, varlen), 9 + 2 decoding
-    assert "202 of 202 kernel builds compiled; 0 spill" in done.stdout
+    # 63 forward, 126 + 2 backward (dense, block-sparse, score modifiers, varlen), 9 + 9 + 2 decoding (plain,
+    # softcap/ALiBi, combine and append)
+    assert "211 of 211 kernel builds compiled; 0 spill" in done.stdout
     assert "cupyflash::FwdTraits<double, 256" in done.stdout
     assert "cupyflash::BwdDkdvTraits<double, 256" in done.stdout
 
