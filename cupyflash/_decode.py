@@ -196,21 +196,20 @@ def _device_slots(device_id: int, smem_bytes: int) -> int:
 
 def choose_splits(blocks: int, key_tiles: int, slots: int) -> int:
     """Splits of the key sequence for `blocks` (row block, K/V head, sequence) triples of
-    `key_tiles` tiles each on a GPU running `slots` blocks at once. After flash-attn's heuristic:
-    no split when the blocks already fill most of a wave; otherwise the fewest splits whose last
-    wave is within 5% as full as the best count's, each split keeping at least 4 tiles. (A sweep
-    on an H100, benchmarks/NOTES.md: more splits than that cost each block's fixed work, fewer
-    leave SMs idle; flash-attn's 85% picked 29 splits where 32 was 10% faster.)"""
+    `key_tiles` tiles each on a GPU running `slots` blocks at once: no split when the blocks already
+    fill most of a wave; otherwise the count with the shortest critical path, waves of blocks times
+    the tiles of the longest split, the fewest splits among equals, each split keeping at least 4
+    tiles. (The first form, after flash-attn's heuristic, took the fewest splits whose last wave was
+    within 5% as full as the best count's: 31 splits of 128 tiles, some of 5 tiles, where 32 give 4
+    and ran 19.8 us against 23.1 for one sequence with 8 K/V heads and 8192 keys; benchmarks/NOTES.md.)"""
     if blocks >= 0.8 * slots or key_tiles < 8:
         return 1
     limit = min(_instantiations.DECODE_MAX_SPLITS, key_tiles // 4, math.ceil(4 * slots / blocks))
 
-    def efficiency(splits):
-        waves = blocks * splits / slots
-        return waves / math.ceil(waves)
+    def critical_path(splits):
+        return math.ceil(blocks * splits / slots) * math.ceil(key_tiles / splits)
 
-    best = max(efficiency(s) for s in range(1, limit + 1))
-    return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.95 * best)
+    return min(range(1, limit + 1), key=lambda s: (critical_path(s), s))
 
 
 def _decode_gpu(q, k, v, k_new, v_new, lengths, d: _validation.DecodeProblem):

@@ -118,6 +118,14 @@ def test_split_heuristic():
             assert 1 <= splits <= min(_instantiations.DECODE_MAX_SPLITS, tiles // 4)
     # One sequence of 32 heads over 1024 tiles: split until about a wave or more of blocks.
     assert 32 * _decode.choose_splits(blocks=32, key_tiles=1024, slots=slots) >= 0.8 * slots
+    # The shortest critical path: 8 blocks over 128 tiles take 32 splits of 4 tiles, not 31 (whose
+    # longest split has 5 tiles, as with 26), and never a count whose longest split is no shorter
+    # than the count below's.
+    assert _decode.choose_splits(blocks=8, key_tiles=128, slots=slots) == 32
+    for blocks in (1, 3, 8, 20):
+        for tiles in (9, 100, 128, 333, 1024):
+            s = _decode.choose_splits(blocks=blocks, key_tiles=tiles, slots=slots)
+            assert s == 1 or -(-tiles // s) < -(-tiles // (s - 1)), (blocks, tiles, s)
 
 
 def test_decode_instantiations_cover_every_dtype_and_head_dim():
