@@ -255,7 +255,13 @@ _varlen_vjp.defvjp(_varlen_fwd, _varlen_bwd)
 
 
 def _on_gpu(buffer) -> bool:
-    return hasattr(buffer, "__cuda_array_interface__")
+    # A CPU buffer has no CUDA interface: newer JAX raises its runtime error (UNIMPLEMENTED) on the
+    # attribute, which hasattr does not catch.
+    try:
+        buffer.__cuda_array_interface__
+    except (AttributeError, getattr(jax.errors, "JaxRuntimeError", AttributeError)):
+        return False
+    return True
 
 
 def _on_xla_stream(ctx, buffer):

@@ -228,3 +228,26 @@ def test_jax_adapter(rng, jax_gpu):
     assert_gradients_match_reference(numpy.ones(q.shape), *as_np, [numpy.asarray(g) for g in grads], "float32",
                                      **options)
     assert abs(_dropout.rescale(0.25) - 4 / 3) < 1e-12
+
+
+def test_jax_cpu_backend(rng, jax_gpu):
+    """Arrays on JAX's CPU device take the NumPy fallback inside the callback (fixed-length and
+    varlen, forward and gradient), with dropout, softcap and causal."""
+    jax = jax_gpu
+    import cupyflash.jax
+
+    cpu = jax.devices("cpu")[0]
+    q = rng.standard_normal((1, 20, 4, 16)).astype(numpy.float32)
+    k = rng.standard_normal((1, 23, 2, 16)).astype(numpy.float32)
+    qj, kj = (jax.device_put(x, cpu) for x in (q, k))
+    options = {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 7}
+    out = cupyflash.jax.attention(qj, kj, kj, **options)
+    assert next(iter(out.devices())).platform == "cpu"
+    numpy.testing.assert_allclose(numpy.asarray(out), reference.attention(q, k, k, **options), atol=1e-5)
+    grad = jax.grad(lambda q: cupyflash.jax.attention(q, kj, kj, **options).sum())(qj)
+    exact = reference.attention_backward(numpy.ones(q.shape), q, k, k, **options)[0]
+    numpy.testing.assert_allclose(numpy.asarray(grad), exact, atol=1e-5)
+    cu_q, cu_k = numpy.array([0, 7, 20], numpy.int32), numpy.array([0, 9, 23], numpy.int32)
+    out = cupyflash.jax.attention_varlen(qj[0], kj[0], kj[0], cu_q, cu_k, **options)
+    numpy.testing.assert_allclose(numpy.asarray(out), reference.attention_varlen(q[0], k[0], k[0], cu_q, cu_k, **options),
+                                  atol=1e-5)
