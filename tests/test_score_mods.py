@@ -65,7 +65,8 @@ def test_softcap_bounds_the_scores_and_alibi_favours_near_keys(rng):
     own position."""
     q, k, v = random_problem(rng, 1, 6, 6, 2, 2, 8)
     _, lse = reference.attention(100.0 * q, k, v, softcap=0.5, return_lse=True)
-    assert (numpy.abs(lse - numpy.log(6)) < 0.5).all()
+    # tanh(100 q.k) rounds to exactly 1 in float64, so a saturated row reaches the bound: closed interval
+    assert (numpy.abs(lse - numpy.log(6)) <= 0.5 + 1e-12).all()
     _, plain = reference.attention(100.0 * q, k, v, return_lse=True)
     assert (numpy.abs(plain - numpy.log(6)) > 0.5).any()  # without the cap the bound fails
     steep = reference.attention(q, k, v, alibi_slopes=numpy.array([50.0, 50.0]))
