@@ -23,8 +23,10 @@ def attention_decode(
     ``flash_attn_with_kvcache`` does). The result equals
     ``attention(q[b:b+1], k[b:b+1, :n], v[b:b+1, :n], causal=..., window=...)`` with
     ``n = cache_seqlens[b] + seqlen_new``, for every b at once. The key sequence is split over
-    thread blocks (split-KV) and the partial results merged through their log-sum-exp, so a single
-    query row still uses the whole GPU; the query heads of a GQA group share each K/V tile read.
+    thread blocks (split-KV) and the partial results merged through their log-sum-exp (by the last
+    block of each group, in the same launch), so a single query row still uses the whole GPU; the
+    query heads of a GQA group share each K/V tile read. A call captured into a CUDA graph keeps
+    its workspace for the graph's replays (the caller keeps the arrays it returns).
 
     Parameters
     ----------
@@ -235,9 +237,31 @@ def _plan(kernel, batch: int, heads_kv: int, rows: int, cache_len: int, num_spli
     return row_blocks, num_splits
 
 
+# Counters of the splits done per row group (decode_combine_splits), which the kernels leave zeroed:
+# one buffer per (device, stream), as the launches on a stream run one after another.
+_SPLIT_COUNTERS: dict = {}
+# The workspaces and counters of calls captured into CUDA graphs, which replays go on using.
+_CAPTURED: list = []
+
+
+def _split_counters(device_id: int, groups: int, capturing: bool):
+    """A zeroed uint32 buffer of at least `groups` counters for a launch on the current stream; a
+    call being captured into a CUDA graph gets one of its own, as its replays may run on any stream
+    beside calls on this one."""
+    import cupy
+
+    if capturing:
+        return cupy.zeros(groups, numpy.uint32)  # the memset is captured too: harmless
+    key = (device_id, cupy.cuda.get_current_stream().ptr)
+    counters = _SPLIT_COUNTERS.get(key)
+    if counters is None or counters.size < groups:
+        counters = _SPLIT_COUNTERS[key] = cupy.zeros(max(groups, 1024), numpy.uint32)
+    return counters
+
+
 def launch_decode(q, k, v, k_new, v_new, lengths, out, lse, d: _validation.DecodeProblem, kernel=None) -> None:
-    """Launches the append, decode and (with splits) combine kernels on CuPy's current stream;
-    arguments must already be validated. `kernel` overrides the traits table's decode kernel."""
+    """Launches the append (with new keys) and decode kernels on CuPy's current stream; arguments
+    must already be validated. `kernel` overrides the traits table's decode kernel."""
     import cupy
 
     p = d.attention
@@ -253,12 +277,18 @@ def launch_decode(q, k, v, k_new, v_new, lengths, out, lse, d: _validation.Decod
             fields.update({name: 0, f"{name}_batch_stride": 0, f"{name}_row_stride": 0, f"{name}_head_stride": 0})
         else:
             _attention._pointer_and_strides(fields, name, x)
-    fields["o_partial"] = fields["lse_partial"] = 0
-    if splits > 1:  # o_partial [splits, batch, heads, seqlen_q, head_dim], then lse_partial: one allocation
+    fields["o_partial"] = fields["lse_partial"] = fields["split_counters"] = 0
+    if splits > 1 and out.size:
+        # o_partial [splits, batch, heads, seqlen_q, padded head_dim], then lse_partial: one allocation
         partial_rows = splits * p.batch * p.heads * p.seqlen_q
-        workspace = cupy.empty(partial_rows * (p.head_dim + 1), _validation.lse_dtype(p.dtype_name))
+        workspace = cupy.empty(partial_rows * (kernel.head_dim + 1), _validation.lse_dtype(p.dtype_name))
         fields["o_partial"] = workspace.data.ptr
-        fields["lse_partial"] = workspace.data.ptr + partial_rows * p.head_dim * workspace.itemsize
+        fields["lse_partial"] = workspace.data.ptr + partial_rows * kernel.head_dim * workspace.itemsize
+        capturing = cupy.cuda.get_current_stream().is_capturing()
+        counters = _split_counters(device_id, p.batch * heads_kv * row_blocks, capturing)
+        fields["split_counters"] = counters.data.ptr
+        if capturing:  # a graph holds the addresses for its life, which may be the process's
+            _CAPTURED.extend((workspace, counters))
     left, right = p.band
     fields.update(
         batch=p.batch, heads=p.heads, kv_group=p.kv_group, seqlen_q=p.seqlen_q, cache_len=p.seqlen_k,
@@ -273,12 +303,8 @@ def launch_decode(q, k, v, k_new, v_new, lengths, out, lse, d: _validation.Decod
     params = _attention._params(_instantiations.DECODE_PARAMS_DTYPE, fields)
 
     if d.seqlen_new and p.batch and heads_kv:
-        append = _instantiations.DecodeStepKernel("append", p.dtype_name)
+        append = _instantiations.DecodeAppendKernel(p.dtype_name)
         _attention._launch(append, device_id, (d.seqlen_new, heads_kv, p.batch), params)
     if out.size == 0:
         return
     _attention._launch(kernel, device_id, (row_blocks * splits * heads_kv, p.batch, 1), params)
-    if splits > 1:
-        combine = _instantiations.DecodeStepKernel("combine", p.dtype_name)
-        total_rows = p.batch * p.heads * p.seqlen_q
-        _attention._launch(combine, device_id, (total_rows, 1, 1), params)

@@ -715,8 +715,7 @@ BWD_PARAMS_DTYPE = numpy.dtype(
 # K and V (64 keys each) loading while one is used, and both kernels pack a GQA group's heads and
 # the query positions into the rows of one tile (`DecodeLayout`).
 DECODE_WARPS = 4
-DECODE_MAX_SPLITS = 128  # flash_decode_combine_kernel's kMaxSplits (at most its threads)
-DECODE_COMBINE_THREADS = 128  # threads per block (one block per row) of the combine kernel
+DECODE_MAX_SPLITS = 128  # kDecodeMaxSplits: the splits decode_combine_splits merges (lanes x 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -742,11 +741,13 @@ class _DecodeKernel:
 
     def merge_bytes(self) -> int:
         """DecodeLayout::kMergeBytes: every warp's m, l and O for the block's rows, in Accum."""
-        return DECODE_WARPS * self.rows * (self.head_dim + 2) * accum_itemsize(self.dtype_name)
+        return DECODE_WARPS * self.rows * (self.head_dim + 8 + 2) * accum_itemsize(self.dtype_name)
 
     def host_checks(self) -> str:
         return (f"static_assert({self.traits}::kSmemBytes == {self.smem_bytes}, "
-                f'"cupyflash/_instantiations.py and {self.traits_name} disagree on shared memory");\n')
+                f'"cupyflash/_instantiations.py and {self.traits_name} disagree on shared memory");\n'
+                f"static_assert(cupyflash::kDecodeMaxSplits == {DECODE_MAX_SPLITS}, "
+                f'"cupyflash/_instantiations.py and flash_decode.cuh disagree on the most splits");\n')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -804,27 +805,19 @@ class DecodeKernel(_DecodeKernel):
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeStepKernel:
-    """The decode kernels around the attention one: "combine" (split results merged through their
-    lse, one block per row) or "append" (new keys and values copied into the caches)."""
+class DecodeAppendKernel:
+    """flash_decode_append_kernel: new keys and values copied into the caches before a step."""
 
-    step: str
     dtype_name: str
 
     source_file = "flash_decode.cu"
     smem_bytes = 0
     head_dim = 0  # any
-
-    @property
-    def num_threads(self) -> int:
-        return DECODE_COMBINE_THREADS if self.step == "combine" else 128
+    num_threads = 128
 
     @property
     def name_expression(self) -> str:
-        element = ELEMENT_TYPES[self.dtype_name]
-        if self.step == "combine":
-            return f"cupyflash::flash_decode_combine_kernel<{element}, {DECODE_COMBINE_THREADS}, {DECODE_MAX_SPLITS}>"
-        return f"cupyflash::flash_decode_append_kernel<{element}>"
+        return f"cupyflash::flash_decode_append_kernel<{ELEMENT_TYPES[self.dtype_name]}>"
 
     def host_checks(self) -> str:
         return ""
@@ -841,7 +834,7 @@ def all_decode_kernels() -> list:
     kernels = [DecodeKernel(name, d, mod) for name in DTYPE_NAMES for d in PADDED_HEAD_DIMS for mod in (False, True)]
     kernels += [TcDecodeKernel(name, d, mod) for name in TENSOR_CORE_DTYPES for d in PADDED_HEAD_DIMS
                 for mod in (False, True)]
-    return kernels + [DecodeStepKernel(step, name) for name in DTYPE_NAMES for step in ("combine", "append")]
+    return kernels + [DecodeAppendKernel(name) for name in DTYPE_NAMES]
 
 
 # The host's image of struct DecodeParams (kernels/flash_decode.cuh).
@@ -850,7 +843,8 @@ DECODE_PARAMS_DTYPE = numpy.dtype(
     + [(f"{t}_{s}_stride", "i8") for t in ("q", "k", "v", "k_new", "v_new", "o") for s in ("batch", "row", "head")]
     + [(name, "i4") for name in ("batch", "heads", "kv_group", "seqlen_q", "cache_len", "seqlen_new", "head_dim")]
     + [(name, "i4") for name in ("window_left", "window_right", "num_splits", "rows")]
-    + [("scale_log2", "f8"), ("softcap_log2", "f8"), ("alibi_slopes", "u8"), ("alibi_batch_stride", "i8")],
+    + [("scale_log2", "f8"), ("softcap_log2", "f8"), ("alibi_slopes", "u8"), ("alibi_batch_stride", "i8")]
+    + [("split_counters", "u8")],
     align=True,
 )
 

@@ -1,6 +1,7 @@
 // KV-cache decoding kernels (see flash_decode.cuh for the scheme): the tensor-core kernel for
-// float16/bfloat16 on sm_80+, the CUDA-core kernel for every dtype, the split combine and the
-// in-place append of new keys and values. Instantiations: cupyflash/_instantiations.py.
+// float16/bfloat16 on sm_80+, the CUDA-core kernel for every dtype (each merging its splits at the
+// end, decode_combine_splits) and the in-place append of new keys and values. Instantiations:
+// cupyflash/_instantiations.py.
 #include "flash_decode.cuh"
 #include "flash_tc.cuh"
 
@@ -51,6 +52,106 @@ struct DecodeBlock {
     }
 };
 
+// 16 bytes of Accum from L2 (ld.global.cg): split results written by other blocks of this launch.
+__device__ __forceinline__ float4 load_l2_16(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ double2 load_l2_16(const double* p) { return __ldcg(reinterpret_cast<const double2*>(p)); }
+
+// Flash-decoding's combine, lse = log sum_s exp(lse_s) and o = sum_s exp(lse_s - lse) o_s over
+// the num_splits partial results of each row, done by the last of a row group's blocks to finish,
+// so that a step is one launch: each block publishes its results (a fence), then counts itself
+// done in params.split_counters; the block that completes the count reads every split's results
+// from L2 (ld.cg, past the L1 that is not coherent with the other SMs' writes), merges them and
+// resets the counter. This block runs alone at the end of the step, so its loads are issued
+// kInFlight splits at a time, the first batch beside the lse loads: a warp per row, its lanes
+// over 16-byte vectors of columns, the splits' weights in shared memory (sW, the merge's, free
+// now). A row no split saw gives o = 0, lse = -inf.
+template <typename Lt>
+__device__ __forceinline__ void decode_combine_splits(const DecodeParams& params, const DecodeBlock& block,
+                                                      typename Lt::Accum* sW) {
+    using Accum = typename Lt::Accum;
+    using Storage = typename Lt::Storage;
+    constexpr int kVec = 16 / static_cast<int>(sizeof(Accum));
+    constexpr int kPasses = (Lt::kHeadDim + 32 * kVec - 1) / (32 * kVec);
+    constexpr int kSplitsPerLane = kDecodeMaxSplits / 32;
+    constexpr int kInFlight = 16;
+    static_assert(kDecodeMaxSplits % kInFlight == 0, "batches of splits stay inside sW");
+    __shared__ unsigned s_done;
+    const int row_block = block.row0 / Lt::kRows, row_blocks = ceil_div(params.rows, Lt::kRows);
+    unsigned* counter = params.split_counters +
+                        (block.batch_idx * (params.heads / params.kv_group) + block.kv_head) * row_blocks + row_block;
+    __threadfence();  // this block's o_partial and lse_partial are visible to every SM before it counts
+    __syncthreads();  // every thread's are; and the merge is done with shared memory
+    if (threadIdx.x == 0) s_done = atomicAdd(counter, 1u);
+    __syncthreads();
+    if (s_done != static_cast<unsigned>(params.num_splits - 1)) return;
+    __threadfence();  // the other splits' results are read after their counts were seen
+    if (threadIdx.x == 0) *counter = 0u;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long total_rows = static_cast<long long>(params.batch) * params.heads * params.seqlen_q;
+    const Accum* lse_partial = static_cast<const Accum*>(params.lse_partial);
+    const Accum* o_partial = static_cast<const Accum*>(params.o_partial);
+    const long long split_stride = total_rows * Lt::kHeadDim;
+    const int rows_valid = min(Lt::kRows, params.rows - block.row0);
+    Accum* weight = sW + warp * kDecodeMaxSplits;  // this warp's row: split s's exp(lse_s - m), 0 past num_splits
+    for (int r = warp; r < rows_valid; r += Lt::kNWarps) {
+        const int row = block.row0 + r;
+        const int query = row / params.kv_group, head = block.kv_head * params.kv_group + row % params.kv_group;
+        const long long row_idx = (static_cast<long long>(block.batch_idx) * params.heads + head) * params.seqlen_q + query;
+        Storage* out = static_cast<Storage*>(params.o) + block.batch_idx * params.o_batch_stride +
+                       query * params.o_row_stride + head * params.o_head_stride;
+        Accum inv_sum = 0;
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+            const int c = (pass * 32 + lane) * kVec;  // columns past kHeadDim read the last vector, unused
+            const Accum* column = o_partial + row_idx * Lt::kHeadDim + min(c, Lt::kHeadDim - kVec);
+            Accum o[kVec] = {};
+            for (int s0 = 0; s0 < params.num_splits; s0 += kInFlight) {
+                decltype(load_l2_16(column)) x[kInFlight];
+#pragma unroll
+                for (int j = 0; j < kInFlight; ++j)  // past num_splits: the last split's (finite) results
+                    x[j] = load_l2_16(column + min(s0 + j, params.num_splits - 1) * split_stride);
+                if (pass == 0 && s0 == 0) {
+                    Accum lse[kSplitsPerLane], m = neg_inf<Accum>();
+#pragma unroll
+                    for (int i = 0; i < kSplitsPerLane; ++i) {
+                        const int s = 32 * i + lane;
+                        lse[i] = s < params.num_splits ? __ldcg(lse_partial + s * total_rows + row_idx) : neg_inf<Accum>();
+                        m = max_(m, lse[i]);
+                    }
+                    m = warp_max(m);
+                    const Accum m_safe = m == neg_inf<Accum>() ? Accum(0) : m;  // no split saw a key: 0, not NaN
+                    Accum sum = 0;
+#pragma unroll
+                    for (int i = 0; i < kSplitsPerLane; ++i) {
+                        const Accum w = exp2_((lse[i] - m_safe) * static_cast<Accum>(kLog2e));
+                        weight[32 * i + lane] = w;
+                        sum += w;
+                    }
+                    sum = warp_sum(sum);
+                    inv_sum = sum > Accum(0) ? Accum(1) / sum : Accum(0);
+                    if (lane == 0)
+                        static_cast<Accum*>(params.lse)[row_idx] = sum > Accum(0) ? m_safe + log_(sum) : neg_inf<Accum>();
+                    __syncwarp();  // the weights are in shared memory
+                }
+#pragma unroll
+                for (int j = 0; j < kInFlight; ++j) {
+                    const Accum w = weight[s0 + j];
+                    if constexpr (kVec == 4) {
+                        o[0] += w * x[j].x, o[1] += w * x[j].y, o[2] += w * x[j].z, o[3] += w * x[j].w;
+                    } else {
+                        o[0] += w * x[j].x, o[1] += w * x[j].y;
+                    }
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < kVec; ++e)
+                if (c + e < params.head_dim) out[c + e] = Lt::Numeric::from_accum(o[e] * inv_sum);
+        }
+        __syncwarp();  // the next row's weights overwrite these
+    }
+}
+
 // ---------------------------------------------------------------------------- tensor cores
 
 // One m16 tile of packed rows; kNWarps warps, 16 keys each per tile of kBlockN = 16·kNWarps keys;
@@ -72,6 +173,10 @@ struct TcDecodeTraits : DecodeLayout<Element_, kHeadDim_, 16, kNWarps_, 16 * kNW
     static constexpr int kStageElements = 2 * Base::kBlockN * kStride;
     static constexpr int kTileBytes = (kSmemKvOffset + kStages * kStageElements) * 2;
     static constexpr int kSmemBytes = kTileBytes > Base::kMergeBytes ? kTileBytes : Base::kMergeBytes;
+    // The blocks per SM that shared memory allows on an A100 or H100 (at most 4 counted by the split
+    // rule), as the launch bound: left to itself, ptxas held the small head dims to 80-128 registers
+    // and spilled beside the split combine.
+    static constexpr int kMinBlocks = kSmemBytes <= 40 * 1024 ? 4 : 2;
     static_assert(kHeadDim_ % 16 == 0, "the head dim is padded to a multiple of the k16 step");
     static_assert(kStages >= 2, "a ring of at least two tiles");
 };
@@ -86,6 +191,21 @@ __device__ __forceinline__ void load_decode_tile(unsigned s_tile, const typename
     constexpr int kChunksPerRow = Kt::kHeadDim / 8;
     const bool vectorised =
         ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 2)) & 15) == 0;
+    if constexpr (Kt::kNThreads % kChunksPerRow == 0) {
+        // A whole tile (every one but a sequence's last) goes by constant steps, without the
+        // per-chunk bounds and addresses: those were most of a small step's instructions.
+        constexpr int kRowsPerPass = Kt::kNThreads / kChunksPerRow;
+        static_assert(Kt::kBlockN % kRowsPerPass == 0, "whole passes over the tile's rows");
+        if (vectorised && rows_valid >= Kt::kBlockN && head_dim == Kt::kHeadDim) {
+            const int row = threadIdx.x / kChunksPerRow, col = threadIdx.x % kChunksPerRow * 8;
+            const Storage* g = g_tile + row * row_stride + col;
+            const unsigned s = s_tile + (row * Kt::kStride + col) * 2;
+#pragma unroll
+            for (int pass = 0; pass < Kt::kBlockN / kRowsPerPass; ++pass)
+                cp_async_16(s + pass * kRowsPerPass * Kt::kStride * 2, g + pass * kRowsPerPass * row_stride, 16);
+            return;
+        }
+    }
 #pragma unroll 2
     for (int i = threadIdx.x; i < Kt::kBlockN * kChunksPerRow; i += Kt::kNThreads) {
         const int row = i / kChunksPerRow, col = i % kChunksPerRow * 8;
@@ -108,7 +228,7 @@ __device__ __forceinline__ void load_decode_tile(unsigned s_tile, const typename
 // it was, with one block per SM as its launch bound (without one, ptxas held it to fewer registers
 // than the modifiers need and it spilled).
 template <typename Kt, bool kScoreMod = false>
-__global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode_tc_kernel(const DecodeParams params) {
+__global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : Kt::kMinBlocks) flash_decode_tc_kernel(const DecodeParams params) {
     using Storage = typename Kt::Storage;
     using Op = typename Kt::Op;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -236,11 +356,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
         if (f.t == 0) sM[warp * Kt::kRows + r] = m[0][h], sL[warp * Kt::kRows + r] = l_row;
 #pragma unroll
         for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) sO[(warp * Kt::kRows + r) * Kt::kHeadDim + f.col(dt, e)] = O[0][dt][2 * h + e];
+            *reinterpret_cast<float2*>(&sO[(warp * Kt::kRows + r) * Kt::kOStride + f.col(dt, 0)]) =
+                make_float2(O[0][dt][2 * h], O[0][dt][2 * h + 1]);
     }
     __syncthreads();  // every warp's state is in shared memory
     decode_merge_and_store<Kt>(params, sM, sL, sO, block.batch_idx, block.kv_head, block.row0, block.split);
+    if (params.num_splits > 1) decode_combine_splits<Kt>(params, block, reinterpret_cast<typename Kt::Accum*>(smem));
 }
 
 // ---------------------------------------------------------------------------- CUDA cores
@@ -356,68 +477,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
         if (lane == 0) sM[warp * Kt::kRows + r] = m[r], sL[warp * Kt::kRows + r] = l_row;
 #pragma unroll
         for (int j = 0; j < Kt::kColsPerLane; ++j)
-            if (lane + 32 * j < Kt::kHeadDim) sO[(warp * Kt::kRows + r) * Kt::kHeadDim + lane + 32 * j] = O[r][j];
+            if (lane + 32 * j < Kt::kHeadDim) sO[(warp * Kt::kRows + r) * Kt::kOStride + lane + 32 * j] = O[r][j];
     }
     __syncthreads();  // every warp's state is in shared memory
     decode_merge_and_store<Kt>(params, sM, sL, sO, block.batch_idx, block.kv_head, block.row0, block.split);
+    if (params.num_splits > 1) decode_combine_splits<Kt>(params, block, reinterpret_cast<typename Kt::Accum*>(smem));
 }
 
-// ---------------------------------------------------------------------------- splits, append
-
-// x reduced over the block with op (every thread gets the result); s_scratch: kThreads / 32 values.
-template <int kThreads, typename T, typename Op>
-__device__ __forceinline__ T block_reduce(T x, Op op, T* s_scratch) {
-    x = warp_reduce(x, op);
-    if (threadIdx.x % 32 == 0) s_scratch[threadIdx.x / 32] = x;
-    __syncthreads();  // every warp's partial is in shared memory (and everything written before it)
-    x = s_scratch[0];
-#pragma unroll
-    for (int w = 1; w < kThreads / 32; ++w) x = op(x, s_scratch[w]);
-    __syncthreads();  // s_scratch may be reused
-    return x;
-}
-
-// Merges the num_splits partial results of each (batch, head, query) row through their lse:
-// lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. One block per row (grid:
-// batch·heads·seqlen_q), a thread per split for the weights, then a thread per column, its loads
-// over the splits unrolled so that several are in flight: a row of a one-sequence step is alone
-// on the GPU, and a loop of dependent loads would take a memory latency per split. A row no
-// split saw gives o = 0, lse = -inf.
-template <typename Element, int kThreads, int kMaxSplits>
-__global__ void __launch_bounds__(kThreads) flash_decode_combine_kernel(const DecodeParams params) {
-    using Numeric = NumericTraits<Element>;
-    using Accum = typename Numeric::Accum;
-    static_assert(kMaxSplits <= kThreads, "one split's lse per thread");
-    __shared__ Accum s_weight[kMaxSplits];
-    __shared__ Accum s_scratch[kThreads / 32];
-    const long long total_rows = static_cast<long long>(params.batch) * params.heads * params.seqlen_q;
-    const long long row_idx = blockIdx.x;
-    const int split = threadIdx.x;
-    const Accum lse_split = split < params.num_splits
-                                ? static_cast<const Accum*>(params.lse_partial)[split * total_rows + row_idx]
-                                : neg_inf<Accum>();
-    const Accum m = block_reduce<kThreads>(lse_split, [](Accum a, Accum b) { return max_(a, b); }, s_scratch);
-    const Accum m_safe = m == neg_inf<Accum>() ? Accum(0) : m;  // no split saw a key: weights 0, not NaN
-    const Accum weight = exp2_((lse_split - m_safe) * Accum(kLog2e));
-    if (split < kMaxSplits) s_weight[split] = weight;
-    const Accum sum = block_reduce<kThreads>(weight, [](Accum a, Accum b) { return a + b; }, s_scratch);
-    const Accum inv_sum = sum > Accum(0) ? Accum(1) / sum : Accum(0);
-
-    const int query = static_cast<int>(row_idx % params.seqlen_q);
-    const long long bh = row_idx / params.seqlen_q;
-    const int head = static_cast<int>(bh % params.heads), batch_idx = static_cast<int>(bh / params.heads);
-    auto* out = static_cast<typename Numeric::Storage*>(params.o) + batch_idx * params.o_batch_stride +
-                query * params.o_row_stride + head * params.o_head_stride;
-    const Accum* o_partial = static_cast<const Accum*>(params.o_partial) + row_idx * params.head_dim;
-    const long long split_stride = total_rows * params.head_dim;
-    for (int c = threadIdx.x; c < params.head_dim; c += kThreads) {
-        Accum o = 0;
-#pragma unroll 4
-        for (int s = 0; s < params.num_splits; ++s) o += s_weight[s] * o_partial[s * split_stride + c];
-        out[c] = Numeric::from_accum(o * inv_sum);
-    }
-    if (threadIdx.x == 0) static_cast<Accum*>(params.lse)[row_idx] = sum > Accum(0) ? m_safe + log_(sum) : neg_inf<Accum>();
-}
+// ---------------------------------------------------------------------------- append
 
 // k[b, cache_seqlens[b] + j, h] = k_new[b, j, h] (and v), for j < seqlen_new; rows past the
 // cache's capacity are dropped (the host rejects such calls when it can see cache_seqlens).

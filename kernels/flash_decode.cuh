@@ -8,7 +8,9 @@
 //   - the keys are split over thread blocks (split-KV) and, inside a block, over its warps; each warp
 //     keeps its own online-softmax state (m, l, O) for the rows, as FlashAttention's outer loop;
 //   - the warps' states are merged through their log-sum-exp in shared memory, and the splits'
-//     partial results (o_partial, lse_partial) in a second kernel (flash_decode_combine_kernel).
+//     partial results (o_partial, lse_partial) by the last split of each group of rows to finish
+//     (decode_combine_splits): a second kernel would add a launch and its ramp, a third of a
+//     one-sequence step's time.
 // The cache holds cache_seqlens[b] valid keys of batch b (its capacity is cache_len); new keys and
 // values are first appended in place (flash_decode_append_kernel) and then attended to like the rest.
 #pragma once
@@ -25,7 +27,7 @@ struct DecodeParams {
     const void* v_new;   // likewise
     void* o;             // [batch, seqlen_q, heads, head_dim]
     void* lse;           // [batch, heads, seqlen_q], contiguous, Accum, natural log
-    void* o_partial;     // [num_splits, batch, heads, seqlen_q, head_dim], contiguous, Accum (num_splits > 1)
+    void* o_partial;     // [num_splits, batch, heads, seqlen_q, kHeadDim], contiguous, Accum (num_splits > 1)
     void* lse_partial;   // [num_splits, batch, heads, seqlen_q], contiguous, Accum (num_splits > 1)
     const int* cache_seqlens;  // [batch]: valid keys in the cache before the append; nullptr: cache_len
     long long q_batch_stride, q_row_stride, q_head_stride;  // elements
@@ -53,7 +55,13 @@ struct DecodeParams {
     double softcap_log2;           // softcap·log2(e); 0: none
     const void* alibi_slopes;      // [batch or 1][heads], contiguous Accum; nullptr: none
     long long alibi_batch_stride;  // 0: one row of slopes for every batch entry
+    // Splits done per (batch, K/V head, row block), num_splits > 1: zero before a launch, and zero
+    // after it (the last split resets its counter), so one buffer serves launch after launch on a stream.
+    unsigned* split_counters;
 };
+
+// Splits merged by decode_combine_splits: each lane of a warp holds the lse of kDecodeMaxSplits / 32.
+constexpr int kDecodeMaxSplits = 128;
 
 __device__ __forceinline__ bool decode_scores_modified(const DecodeParams& params) {
     return params.softcap_log2 != 0.0 || params.alibi_slopes != nullptr;
@@ -106,16 +114,20 @@ struct DecodeLayout {
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kWarpKeys = kBlockN / kNWarps;  // keys of a tile per warp
-    // Merge: each warp's m, l per row and its unnormalised O [kRows][kHeadDim], Accum.
-    static constexpr int kMergeBytes = kNWarps * kRows * (kHeadDim + 2) * static_cast<int>(sizeof(Accum));
+    // Merge: each warp's m, l per row and its unnormalised O [kRows][kOStride], Accum. The padding
+    // spreads the rows of an mma accumulator's column pair over the banks (unpadded, 8 rows share one).
+    static constexpr int kOStride = kHeadDim + 8;
+    static constexpr int kMergeBytes = kNWarps * kRows * (kOStride + 2) * static_cast<int>(sizeof(Accum));
+    static_assert(kMergeBytes >= kNWarps * kDecodeMaxSplits * static_cast<int>(sizeof(Accum)),
+                  "decode_combine_splits keeps each warp's split weights in the merge's shared memory");
     static_assert(kBlockN % kNWarps == 0, "the warps share a tile's keys evenly");
 };
 
 // The end of both decode kernels: every warp has left its row maxima m (log2 units), row sums l
-// and unnormalised O in shared memory (sM, sL: [kNWarps][kRows]; sO: [kNWarps][kRows][kHeadDim]).
+// and unnormalised O in shared memory (sM, sL: [kNWarps][kRows]; sO: [kNWarps][kRows][kOStride]).
 // They are merged as FlashAttention merges key blocks, O = sum_w 2^(m_w - m) O_w / l with
 // l = sum_w 2^(m_w - m) l_w, and written: to o and lse when the block holds the whole key range,
-// else to this split's slot of o_partial and lse_partial for the combine kernel.
+// else to this split's slot of o_partial and lse_partial for decode_combine_splits.
 template <typename Lt>
 __device__ __forceinline__ void decode_merge_and_store(const DecodeParams& params, const typename Lt::Accum* sM,
                                                        const typename Lt::Accum* sL, const typename Lt::Accum* sO,
@@ -136,7 +148,7 @@ __device__ __forceinline__ void decode_merge_and_store(const DecodeParams& param
         for (int w = 0; w < Lt::kNWarps; ++w) {
             const Accum weight = exp2_(sM[w * Lt::kRows + r] - m_safe);
             l += weight * sL[w * Lt::kRows + r];
-            o += weight * sO[(w * Lt::kRows + r) * Lt::kHeadDim + c];
+            o += weight * sO[(w * Lt::kRows + r) * Lt::kOStride + c];
         }
         const int query = row / params.kv_group, head = kv_head * params.kv_group + row % params.kv_group;
         const Accum lse = l > Accum(0) ? m * Accum(kLn2) + log_(l) : neg_inf<Accum>();
@@ -149,7 +161,7 @@ __device__ __forceinline__ void decode_merge_and_store(const DecodeParams& param
             if (c == 0) static_cast<Accum*>(params.lse)[row_idx] = lse;
         } else {
             const long long slot = split * static_cast<long long>(total_rows) + row_idx;
-            static_cast<Accum*>(params.o_partial)[slot * params.head_dim + c] = o;
+            static_cast<Accum*>(params.o_partial)[slot * Lt::kHeadDim + c] = o;
             if (c == 0) static_cast<Accum*>(params.lse_partial)[slot] = lse;
         }
     }

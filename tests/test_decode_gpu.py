@@ -254,3 +254,42 @@ def test_decode_softcap_and_alibi_scalar_kernel_and_window(rng, nan_outputs, mon
     monkeypatch.setattr(_attention, "tensor_cores_for", lambda p, device_id: False)
     decode_and_check(rng, "bfloat16", seqlen_q=3, heads=4, heads_kv=2, head_dim=head_dim, cache_len=900,
                      seqlen_new=3, causal=True, window=(100, None), softcap=3.0, alibi="batch")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_decode_split_merge_counters(rng, nan_outputs, dtype):
+    """The splits are merged by the last block of each row group to finish, counted in a buffer
+    per stream that every launch leaves zeroed: calls of other shapes and split counts one after
+    another all match the reference and leave it zeroed."""
+    import cupy
+
+    for num_splits, heads, heads_kv, seqlen_q, head_dim in ((7, 8, 2, 1, 128), (128, 4, 4, 3, 59), (2, 6, 1, 16, 256)):
+        decode_and_check(rng, dtype, batch=2, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
+                         cache_len=2000, num_splits=num_splits)
+    cupy.cuda.Device().synchronize()
+    assert _decode._SPLIT_COUNTERS and not any(c.any() for c in _decode._SPLIT_COUNTERS.values())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_decode_captured_in_a_graph_replays_on_another_stream(rng, dtype):
+    """A captured step keeps its workspace and split counters (the caller keeps out and lse), so
+    its replays on another stream give the direct call's bits."""
+    import cupy
+
+    dt = numpy_dtype(dtype)
+    q = cupy.asarray(rng.standard_normal((2, 1, 8, 64)).astype(dt))
+    k, v = (cupy.asarray(rng.standard_normal((2, 4096, 2, 64)).astype(dt)) for _ in range(2))
+    want = [x.get() for x in cupyflash.attention_decode(q, k, v, num_splits=16, return_lse=True)]
+    capturing = cupy.cuda.Stream(non_blocking=True)
+    with capturing:
+        capturing.begin_capture()
+        outputs = cupyflash.attention_decode(q, k, v, num_splits=16, return_lse=True)
+        graph = capturing.end_capture()
+    other = cupy.cuda.Stream(non_blocking=True)
+    for _ in range(3):
+        for x in outputs:  # NaN bits, so that an element a replay leaves unwritten fails
+            cupy.cuda.runtime.memsetAsync(x.data.ptr, 0xFF, x.nbytes, other.ptr)
+        graph.launch(other)
+        other.synchronize()
+        for got, expected in zip(outputs, want):
+            numpy.testing.assert_array_equal(bits(got.get()), bits(expected))
