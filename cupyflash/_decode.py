@@ -26,7 +26,8 @@ def attention_decode(
     thread blocks (split-KV) and the partial results merged through their log-sum-exp (by the last
     block of each group, in the same launch), so a single query row still uses the whole GPU; the
     query heads of a GQA group share each K/V tile read. A call captured into a CUDA graph keeps
-    its workspace for the graph's replays (the caller keeps the arrays it returns).
+    its workspace for the graph's replays; the caller keeps the arrays it returns, and passes
+    cache_seqlens (and alibi_slopes) as GPU arrays, which host values would not be during replays.
 
     Parameters
     ----------
