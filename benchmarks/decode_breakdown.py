@@ -1,8 +1,8 @@
-"""Where a small decoding step's GPU time goes: the whole call, the decode kernel alone, the
-combine alone, a plain read of the same bytes, a D2D copy, and an empty graph (CUDA-graph replay,
-median of CUDA-event batches as in bench.py). Experiment for benchmarks/NOTES.md. Since the split
-merge moved into the decode kernels (session 12) there is no combine launch: "without
-flash_decode_combine" is then the whole call again.
+"""Where a small decoding step's GPU time goes: the whole call, the call without its decode kernel
+(the host's launches and the graph's own cost), a plain read of the same bytes, a D2D copy, and an
+empty graph (CUDA-graph replay, median of CUDA-event batches as in bench.py). Experiment for
+benchmarks/NOTES.md. (Before session 12 the split combine was a kernel of its own, and the
+breakdown also timed the call without it: results/H100-2026-11-23-decode-breakdown.txt.)
 
     python benchmarks/decode_breakdown.py [cache_len ...]
 """
@@ -44,15 +44,16 @@ def main():
         step = lambda: cupyflash.attention_decode(q, k, v, lengths)  # noqa: E731
         res["call"] = graph_ms(step, bench, 0.3)
         real = _attention._launch
-        for skip in ("flash_decode_combine", "flash_decode_tc"):
-            def launch(kernel, device_id, grid, params, skip=skip):
-                if skip not in kernel.name_expression:
-                    real(kernel, device_id, grid, params)
-            _attention._launch = launch
-            try:
-                res[f"without {skip}"] = graph_ms(step, bench, 0.3)
-            finally:
-                _attention._launch = real
+
+        def launch(kernel, device_id, grid, params):
+            if "flash_decode_tc" not in kernel.name_expression:
+                real(kernel, device_id, grid, params)
+
+        _attention._launch = launch
+        try:
+            res["without flash_decode_tc"] = graph_ms(step, bench, 0.3)
+        finally:
+            _attention._launch = real
         buf = cupy.empty(nbytes, numpy.uint8)
         out = cupy.zeros(1, numpy.uint32)
         for blocks_per_sm in (2, 4, 8):

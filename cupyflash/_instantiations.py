@@ -741,7 +741,8 @@ class _DecodeKernel:
 
     def merge_bytes(self) -> int:
         """DecodeLayout::kMergeBytes: every warp's m, l and O for the block's rows, in Accum."""
-        return DECODE_WARPS * self.rows * (self.head_dim + 8 + 2) * accum_itemsize(self.dtype_name)
+        o_stride = self.head_dim + 8  # DecodeLayout::kOStride (padded against bank conflicts)
+        return DECODE_WARPS * self.rows * (o_stride + 2) * accum_itemsize(self.dtype_name)
 
     def host_checks(self) -> str:
         return (f"static_assert({self.traits}::kSmemBytes == {self.smem_bytes}, "
