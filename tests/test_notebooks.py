@@ -1,10 +1,14 @@
-"""The notebooks in notebooks/: stored without outputs (what `nbstripout --verify` checks), and
+"""The notebooks in notebooks/: stored without outputs (`nbstripout --verify`, from the test extras,
+and a JSON check of the same that runs where nbstripout is not installed), and
 every code cell runs, in order, in one namespace, as a fresh kernel would run them. On a CPU-only
 machine they take the NumPy fallback at small sizes and their GPU cells say they are skipped; on a
 GPU they run in full. No Jupyter is needed: the cells are read from the .ipynb JSON."""
 
+import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -28,6 +32,14 @@ def test_notebook_is_stored_without_outputs(path):
         if cell["cell_type"] == "code":
             assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name}: strip the outputs"
         assert set(cell["metadata"]) <= {"tags"}, f"{path.name}: cell metadata {cell['metadata']}"
+
+
+def test_nbstripout_verify_passes():
+    if importlib.util.find_spec("nbstripout") is None:
+        pytest.skip("nbstripout is not installed (pip install -e .[test] brings it)")
+    result = subprocess.run([sys.executable, "-m", "nbstripout", "--verify", *map(str, NOTEBOOKS)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, f"run `nbstripout notebooks/*.ipynb`:\n{result.stdout}{result.stderr}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
