@@ -30,15 +30,21 @@ extern "C" __global__ void read_all(const uint4* x, long long n, unsigned* out) 
 """, "read_all")
 
 
+def gqa_step(n: int):
+    """q, k, v and lengths of one decoding step: one sequence of n cached keys, 32 query heads over
+    8 K/V heads, d128, bfloat16 (the bench's hardest row for the copy-bandwidth target)."""
+    dt = _validation.BFLOAT16
+    rs = cupy.random.default_rng(n)
+    q = rs.standard_normal((1, 1, 32, 128), dtype=numpy.float32).astype(dt)
+    k, v = (rs.standard_normal((1, n, 8, 128), dtype=numpy.float32).astype(dt) for _ in range(2))
+    return q, k, v, cupy.full(1, n, dtype=numpy.int32)
+
+
 def main():
     lens = [int(a) for a in sys.argv[1:]] or [8192, 32768]
-    dt = _validation.BFLOAT16
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     for n in lens:
-        rs = cupy.random.default_rng(n)
-        q = rs.standard_normal((1, 1, 32, 128), dtype=numpy.float32).astype(dt)
-        k, v = (rs.standard_normal((1, n, 8, 128), dtype=numpy.float32).astype(dt) for _ in range(2))
-        lengths = cupy.full(1, n, dtype=numpy.int32)
+        q, k, v, lengths = gqa_step(n)
         nbytes = 2 * k.nbytes
         res = {}
         step = lambda: cupyflash.attention_decode(q, k, v, lengths)  # noqa: E731

@@ -224,6 +224,29 @@ __device__ __forceinline__ void load_decode_tile(unsigned s_tile, const typename
     }
 }
 
+// The block's 16 packed query rows into sQ ([16][kStride] Storage) by cp.async, zero past the
+// valid rows and head_dim, when every row starts on 16 bytes (false otherwise: load_decode_queries
+// then). Issued ahead of the K/V tiles: read after them, Q queued behind the ring's first tiles
+// and landed ~5 us into an 8192-key step, the tiles waiting on it (benchmarks/decode_trace.py).
+template <typename Kt>
+__device__ __forceinline__ bool load_decode_queries_async(unsigned sQ, const DecodeParams& params, int batch_idx,
+                                                          int kv_head, int row0) {
+    using Storage = typename Kt::Storage;
+    const Storage* q = static_cast<const Storage*>(params.q) + batch_idx * params.q_batch_stride;
+    const auto strides = static_cast<unsigned long long>(params.q_row_stride | params.q_head_stride) * sizeof(Storage);
+    if (((reinterpret_cast<unsigned long long>(q) | strides) & 15) != 0) return false;
+    constexpr int kChunksPerRow = Kt::kHeadDim / 8;
+    for (int i = threadIdx.x; i < Kt::kRows * kChunksPerRow; i += Kt::kNThreads) {
+        const int r = i / kChunksPerRow, c = i % kChunksPerRow * 8, row = row0 + r;
+        const bool valid = row < params.rows && c < params.head_dim;
+        const int query = row / params.kv_group, head = kv_head * params.kv_group + row % params.kv_group;
+        // Chunks past the rows or head_dim copy nothing from the batch's first query (a safe address).
+        cp_async_16(sQ + (r * Kt::kStride + c) * 2, valid ? q + query * params.q_row_stride + head * params.q_head_stride + c : q,
+                    valid ? min(16, (params.head_dim - c) * 2) : 0);
+    }
+    return true;
+}
+
 // kScoreMod: softcap and ALiBi, in an instantiation of their own that leaves the unmodified kernel as
 // it was, with one block per SM as its launch bound (without one, ptxas held it to fewer registers
 // than the modifiers need and it spilled).
@@ -252,12 +275,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : Kt::kMinBlocks)
         load_decode_tile<Kt>(stage + Kt::kBlockN * Kt::kStride * 2, v + col0 * params.v_row_stride,
                              params.v_row_stride, keys_valid, params.head_dim);
     };
+    const bool q_async = load_decode_queries_async<Kt>(sQ, params, block.batch_idx, block.kv_head, block.row0);
+    cp_async_commit();  // Q's group, the oldest
     for (int s = 0; s < Kt::kStages - 1; ++s) {
         if (tiles.x + s < tiles.y) load_kv(tiles.x + s);
         cp_async_commit();
     }
-    load_decode_queries<Kt>(reinterpret_cast<Storage*>(smem) + Kt::kSmemQOffset, Kt::kStride, params,
-                            block.batch_idx, block.kv_head, block.row0, [](Storage x) { return x; });
+    if (!q_async)
+        load_decode_queries<Kt>(reinterpret_cast<Storage*>(smem) + Kt::kSmemQOffset, Kt::kStride, params,
+                                block.batch_idx, block.kv_head, block.row0, [](Storage x) { return x; });
+    cp_async_wait<Kt::kStages - 1>();  // Q's group; the tiles' may still be loading
     __syncthreads();  // Q is in shared memory
     const unsigned a0 = sQ + ((lane % 16) * Kt::kStride + (lane / 16) * 8) * 2;  // each warp multiplies all 16 rows
     unsigned Q[Kt::kQInRegisters ? Kt::kKSteps : 1][4];
@@ -360,7 +387,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : Kt::kMinBlocks)
                 make_float2(O[0][dt][2 * h], O[0][dt][2 * h + 1]);
     }
     __syncthreads();  // every warp's state is in shared memory
-    decode_merge_and_store<Kt>(params, sM, sL, sO, block.batch_idx, block.kv_head, block.row0, block.split);
+    decode_merge_and_store<Kt, 4>(params, sM, sL, sO, block.batch_idx, block.kv_head, block.row0, block.split);  // float4s
     if (params.num_splits > 1) decode_combine_splits<Kt>(params, block, reinterpret_cast<typename Kt::Accum*>(smem));
 }
 
@@ -480,7 +507,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
             if (lane + 32 * j < Kt::kHeadDim) sO[(warp * Kt::kRows + r) * Kt::kOStride + lane + 32 * j] = O[r][j];
     }
     __syncthreads();  // every warp's state is in shared memory
-    decode_merge_and_store<Kt>(params, sM, sL, sO, block.batch_idx, block.kv_head, block.row0, block.split);
+    decode_merge_and_store<Kt, 1>(params, sM, sL, sO, block.batch_idx, block.kv_head, block.row0, block.split);
     if (params.num_splits > 1) decode_combine_splits<Kt>(params, block, reinterpret_cast<typename Kt::Accum*>(smem));
 }
 

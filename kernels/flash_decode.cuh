@@ -127,41 +127,52 @@ struct DecodeLayout {
 // and unnormalised O in shared memory (sM, sL: [kNWarps][kRows]; sO: [kNWarps][kRows][kOStride]).
 // They are merged as FlashAttention merges key blocks, O = sum_w 2^(m_w - m) O_w / l with
 // l = sum_w 2^(m_w - m) l_w, and written: to o and lse when the block holds the whole key range,
-// else to this split's slot of o_partial and lse_partial for decode_combine_splits.
-template <typename Lt>
+// else to this split's slot of o_partial and lse_partial for decode_combine_splits. A thread takes
+// kVec columns of a row: element by element, the tensor-core kernel's merge took 2.2 us of an
+// 8192-key step's 18 (benchmarks/decode_trace.py), so it takes 16 bytes; the CUDA-core kernel
+// stays element by element (with vectors ptxas gave it 138-149 registers, not 128).
+template <typename Lt, int kVec>
 __device__ __forceinline__ void decode_merge_and_store(const DecodeParams& params, const typename Lt::Accum* sM,
                                                        const typename Lt::Accum* sL, const typename Lt::Accum* sO,
                                                        int batch_idx, int kv_head, int row0, int split) {
     using Accum = typename Lt::Accum;
     using Storage = typename Lt::Storage;
+    static_assert(Lt::kHeadDim % kVec == 0 && Lt::kOStride % kVec == 0, "rows of whole vectors");
+    using Vector = Vec<Accum, kVec>;
     const int total_rows = params.batch * params.heads * params.seqlen_q;
-    for (int e = threadIdx.x; e < Lt::kRows * params.head_dim; e += Lt::kNThreads) {
-        const int r = e / params.head_dim, c = e % params.head_dim;
-        const int row = row0 + r;
-        if (row >= params.rows) break;  // e grows with r
+    const int rows_valid = min(Lt::kRows, params.rows - row0);
+    const int vecs_per_row = ceil_div(params.head_dim, kVec);
+    for (int i = threadIdx.x; i < rows_valid * vecs_per_row; i += Lt::kNThreads) {
+        const int r = i / vecs_per_row, c = i % vecs_per_row * kVec, row = row0 + r;
         Accum m = neg_inf<Accum>();
 #pragma unroll
         for (int w = 0; w < Lt::kNWarps; ++w) m = max_(m, sM[w * Lt::kRows + r]);
         const Accum m_safe = m == neg_inf<Accum>() ? Accum(0) : m;  // no key seen: weights 0, not NaN
-        Accum l = 0, o = 0;
+        Accum l = 0;
+        Vector o = {};
 #pragma unroll
         for (int w = 0; w < Lt::kNWarps; ++w) {
             const Accum weight = exp2_(sM[w * Lt::kRows + r] - m_safe);
+            const Vector x = *reinterpret_cast<const Vector*>(&sO[(w * Lt::kRows + r) * Lt::kOStride + c]);
             l += weight * sL[w * Lt::kRows + r];
-            o += weight * sO[(w * Lt::kRows + r) * Lt::kOStride + c];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) o.x[e] += weight * x.x[e];
         }
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) o.x[e] = l > Accum(0) ? o.x[e] / l : Accum(0);
         const int query = row / params.kv_group, head = kv_head * params.kv_group + row % params.kv_group;
         const Accum lse = l > Accum(0) ? m * Accum(kLn2) + log_(l) : neg_inf<Accum>();
-        o = l > Accum(0) ? o / l : Accum(0);
         const long long row_idx = (static_cast<long long>(batch_idx) * params.heads + head) * params.seqlen_q + query;
         if (params.num_splits == 1) {
             Storage* out = static_cast<Storage*>(params.o) + batch_idx * params.o_batch_stride +
                            query * params.o_row_stride + head * params.o_head_stride;
-            out[c] = Lt::Numeric::from_accum(o);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e)
+                if (c + e < params.head_dim) out[c + e] = Lt::Numeric::from_accum(o.x[e]);
             if (c == 0) static_cast<Accum*>(params.lse)[row_idx] = lse;
-        } else {
+        } else {  // o_partial rows are kHeadDim long: whole vectors
             const long long slot = split * static_cast<long long>(total_rows) + row_idx;
-            static_cast<Accum*>(params.o_partial)[slot * Lt::kHeadDim + c] = o;
+            *reinterpret_cast<Vector*>(static_cast<Accum*>(params.o_partial) + slot * Lt::kHeadDim + c) = o;
             if (c == 0) static_cast<Accum*>(params.lse_partial)[slot] = lse;
         }
     }

@@ -33,6 +33,10 @@ def decode_and_check(rng, dtype, *, batch=3, seqlen_q=1, heads=4, heads_kv=4, he
                 x[b, n:] = numpy.nan
         if layout == "contiguous":
             return cupy.asarray(x)
+        if layout == "padded":  # rows on 16 bytes, head_dim not a multiple of 8: part-filled chunks; NaN past it
+            wide = numpy.full(shape[:-1] + (-(-shape[-1] // 16) * 16,), numpy.nan, dt)
+            wide[..., : shape[-1]] = x
+            return cupy.asarray(wide)[..., : shape[-1]]
         # (batch, heads, seq, head_dim) storage seen as (batch, seq, heads, head_dim): strided.
         return cupy.asarray(numpy.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
 
@@ -113,6 +117,15 @@ def test_decode_strided_host_lengths_no_append(rng, nan_outputs, dtype):
                      layout="strided")
     decode_and_check(rng, dtype, seqlen_q=1, heads=2, heads_kv=2, head_dim=32, cache_len=300, seqlen_new=7,
                      layout="strided")
+
+
+@pytest.mark.parametrize("head_dim", [1, 59, 111])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rows_on_16_bytes_with_an_odd_head_dim(rng, nan_outputs, dtype, head_dim):
+    """Rows 16-byte aligned (the queries and tiles go by cp.async) but head_dim not a multiple of 8:
+    the last chunk of a row is part-filled, and what lies past head_dim (NaN) is never read."""
+    decode_and_check(rng, dtype, seqlen_q=2, heads=8, heads_kv=2, head_dim=head_dim, cache_len=900, seqlen_new=2,
+                     causal=True, layout="padded")
 
 
 def test_decode_more_query_rows_than_a_block(rng, nan_outputs):
