@@ -188,21 +188,28 @@ def decode_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores=
 
 
 @functools.cache
-def _device_slots(device_id: int, smem_bytes: int) -> int:
-    """Blocks of a decode kernel that run at once on the device (one wave), by shared memory."""
+def _device_slots(device_id: int, kernel) -> int:
+    """Blocks of a decode kernel worth running at once on the device (one wave): one per SM for the
+    tensor-core kernel, whose cp.async ring keeps an SM's share of the bandwidth busy by itself (a
+    second block adds only its fixed costs: one sequence, 8 K/V heads, 8192 keys took 14.3 us in 16
+    splits, one block per SM, and 15.8 in 32, two; benchmarks/NOTES.md); for the CUDA-core kernel,
+    whose warps wait on their own loads, as many as shared memory allows, up to 4."""
     import cupy
 
     attributes = cupy.cuda.Device(device_id).attributes
-    per_sm = attributes["MaxSharedMemoryPerMultiprocessor"] // max(smem_bytes + 1024, 1)
+    if isinstance(kernel, _instantiations.TcDecodeKernel):
+        return attributes["MultiProcessorCount"]
+    per_sm = attributes["MaxSharedMemoryPerMultiprocessor"] // max(kernel.smem_bytes + 1024, 1)
     return attributes["MultiProcessorCount"] * max(1, min(per_sm, 4))
 
 
 def choose_splits(blocks: int, key_tiles: int, slots: int) -> int:
     """Splits of the key sequence for `blocks` (row block, K/V head, sequence) triples of
     `key_tiles` tiles each on a GPU running `slots` blocks at once: no split when the blocks already
-    fill most of a wave; otherwise the count with the shortest critical path, waves of blocks times
-    the tiles of the longest split, the fewest splits among equals, each split keeping at least 4
-    tiles. (The first form, after flash-attn's heuristic, took the fewest splits whose last wave was
+    fill most of a wave; otherwise the fewest splits whose critical path, waves of blocks times the
+    tiles of the longest split, is within 5% of the shortest (each split costs a block's fixed work,
+    which the path leaves out: 49 splits of 1024 tiles in 3 waves of 132 give 63 tile-times, 16 in
+    one wave 64), each split keeping at least 4 tiles. (The first form, after flash-attn's heuristic, took the fewest splits whose last wave was
     within 5% as full as the best count's: 31 splits of 128 tiles, some of 5 tiles, where 32 give 4
     and ran 19.8 us against 23.1 for one sequence with 8 K/V heads and 8192 keys; benchmarks/NOTES.md.)"""
     if blocks >= 0.8 * slots or key_tiles < 8:
@@ -212,7 +219,9 @@ def choose_splits(blocks: int, key_tiles: int, slots: int) -> int:
     def critical_path(splits):
         return math.ceil(blocks * splits / slots) * math.ceil(key_tiles / splits)
 
-    return min(range(1, limit + 1), key=lambda s: (critical_path(s), s))
+    paths = {s: critical_path(s) for s in range(1, limit + 1)}
+    shortest = min(paths.values())
+    return min(s for s, path in paths.items() if path <= 1.05 * shortest)
 
 
 def _decode_gpu(q, k, v, k_new, v_new, lengths, d: _validation.DecodeProblem):
@@ -233,7 +242,7 @@ def _plan(kernel, batch: int, heads_kv: int, rows: int, cache_len: int, num_spli
     """(row blocks, splits) of a launch, memoised: decoding calls the same shapes step after step."""
     row_blocks = math.ceil(rows / kernel.rows)
     if num_splits is None:  # device lengths are not read back: the cache's capacity bounds the keys
-        slots = _device_slots(device_id, kernel.smem_bytes)
+        slots = _device_slots(device_id, kernel)
         num_splits = choose_splits(batch * heads_kv * row_blocks, math.ceil(cache_len / kernel.block_n), slots)
     return row_blocks, num_splits
 

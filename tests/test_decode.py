@@ -122,6 +122,9 @@ def test_split_heuristic():
     # longest split has 5 tiles, as with 26), and never a count whose longest split is no shorter
     # than the count below's.
     assert _decode.choose_splits(blocks=8, key_tiles=128, slots=slots) == 32
+    # The tensor-core kernel counts one block per SM: 16 splits of 8 tiles, where 32 of 4 would
+    # make two waves (two blocks on most SMs) with no shorter path.
+    assert _decode.choose_splits(blocks=8, key_tiles=128, slots=132) == 16
     for blocks in (1, 3, 8, 20):
         for tiles in (9, 100, 128, 333, 1024):
             s = _decode.choose_splits(blocks=blocks, key_tiles=tiles, slots=slots)
