@@ -56,10 +56,20 @@ struct DecodeBlock {
 __device__ __forceinline__ float4 load_l2_16(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 __device__ __forceinline__ double2 load_l2_16(const double* p) { return __ldcg(reinterpret_cast<const double2*>(p)); }
 
+// *counter += 1 as an acquire-release atomic at GPU scope, by one thread between two barriers of its
+// block: the release carries the block's writes before the first barrier (as CUTLASS's semaphores
+// do), the acquire orders the block's reads after the second. Two __threadfence() (fence.sc) in its
+// place cost ~0.5 us of an 8192-key step (benchmarks/decode_trace.py).
+__device__ __forceinline__ unsigned count_acq_rel(unsigned* counter) {
+    unsigned before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
+    return before;
+}
+
 // Flash-decoding's combine, lse = log sum_s exp(lse_s) and o = sum_s exp(lse_s - lse) o_s over
 // the num_splits partial results of each row, done by the last of a row group's blocks to finish,
-// so that a step is one launch: each block publishes its results (a fence), then counts itself
-// done in params.split_counters; the block that completes the count reads every split's results
+// so that a step is one launch: each block counts itself done in params.split_counters, releasing
+// its results (count_acq_rel); the block that completes the count reads every split's results
 // from L2 (ld.cg, past the L1 that is not coherent with the other SMs' writes), merges them and
 // resets the counter. This block runs alone at the end of the step, so its loads are issued
 // kInFlight splits at a time, the first batch beside the lse loads: a warp per row, its lanes
@@ -79,12 +89,10 @@ __device__ __forceinline__ void decode_combine_splits(const DecodeParams& params
     const int row_block = block.row0 / Lt::kRows, row_blocks = ceil_div(params.rows, Lt::kRows);
     unsigned* counter = params.split_counters +
                         (block.batch_idx * (params.heads / params.kv_group) + block.kv_head) * row_blocks + row_block;
-    __threadfence();  // this block's o_partial and lse_partial are visible to every SM before it counts
-    __syncthreads();  // every thread's are; and the merge is done with shared memory
-    if (threadIdx.x == 0) s_done = atomicAdd(counter, 1u);
-    __syncthreads();
+    __syncthreads();  // every thread's o_partial and lse_partial are written; the merge is done with shared memory
+    if (threadIdx.x == 0) s_done = count_acq_rel(counter);
+    __syncthreads();  // the other splits' results are read after their counts were seen
     if (s_done != static_cast<unsigned>(params.num_splits - 1)) return;
-    __threadfence();  // the other splits' results are read after their counts were seen
     if (threadIdx.x == 0) *counter = 0u;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
