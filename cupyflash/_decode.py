@@ -209,9 +209,10 @@ def choose_splits(blocks: int, key_tiles: int, slots: int) -> int:
     fill most of a wave; otherwise the fewest splits whose critical path, waves of blocks times the
     tiles of the longest split, is within 5% of the shortest (each split costs a block's fixed work,
     which the path leaves out: 49 splits of 1024 tiles in 3 waves of 132 give 63 tile-times, 16 in
-    one wave 64), each split keeping at least 4 tiles. (The first form, after flash-attn's heuristic, took the fewest splits whose last wave was
-    within 5% as full as the best count's: 31 splits of 128 tiles, some of 5 tiles, where 32 give 4
-    and ran 19.8 us against 23.1 for one sequence with 8 K/V heads and 8192 keys; benchmarks/NOTES.md.)"""
+    one wave 64), each split keeping at least 4 tiles. (The first form, after flash-attn's
+    heuristic, took the fewest splits whose last wave was within 5% as full as the best count's: 31
+    splits of 128 tiles, some of 5 tiles, where 32 give 4 and ran 19.8 us against 23.1 for one
+    sequence with 8 K/V heads and 8192 keys; benchmarks/NOTES.md.)"""
     if blocks >= 0.8 * slots or key_tiles < 8:
         return 1
     limit = min(_instantiations.DECODE_MAX_SPLITS, key_tiles // 4, math.ceil(4 * slots / blocks))

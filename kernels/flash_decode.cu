@@ -249,8 +249,8 @@ __device__ __forceinline__ bool load_decode_queries_async(unsigned sQ, const Dec
         const bool valid = row < params.rows && c < params.head_dim;
         const int query = row / params.kv_group, head = kv_head * params.kv_group + row % params.kv_group;
         // Chunks past the rows or head_dim copy nothing from the batch's first query (a safe address).
-        cp_async_16(sQ + (r * Kt::kStride + c) * 2, valid ? q + query * params.q_row_stride + head * params.q_head_stride + c : q,
-                    valid ? min(16, (params.head_dim - c) * 2) : 0);
+        const Storage* src = valid ? q + query * params.q_row_stride + head * params.q_head_stride + c : q;
+        cp_async_16(sQ + (r * Kt::kStride + c) * 2, src, valid ? min(16, (params.head_dim - c) * 2) : 0);
     }
     return true;
 }
@@ -395,7 +395,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : Kt::kMinBlocks)
                 make_float2(O[0][dt][2 * h], O[0][dt][2 * h + 1]);
     }
     __syncthreads();  // every warp's state is in shared memory
-    decode_merge_and_store<Kt, 4>(params, sM, sL, sO, block.batch_idx, block.kv_head, block.row0, block.split);  // float4s
+    // The warps' states merged by float4s of columns.
+    decode_merge_and_store<Kt, 4>(params, sM, sL, sO, block.batch_idx, block.kv_head, block.row0, block.split);
     if (params.num_splits > 1) decode_combine_splits<Kt>(params, block, reinterpret_cast<typename Kt::Accum*>(smem));
 }
 
