@@ -1,8 +1,8 @@
-"""The notebooks in notebooks/: stored without outputs (`nbstripout --verify`, from the test extras,
-and a JSON check of the same that runs where nbstripout is not installed), and
-every code cell runs, in order, in one namespace, as a fresh kernel would run them. On a CPU-only
-machine they take the NumPy fallback at small sizes and their GPU cells say they are skipped; on a
-GPU they run in full. No Jupyter is needed: the cells are read from the .ipynb JSON."""
+"""The notebooks in notebooks/: stored without outputs (`nbstripout --verify`, from the test
+extras, and a JSON check of the same where nbstripout is not installed, as on the GPU machine),
+and every code cell runs, in order, in one namespace, as a fresh kernel would run them. On a
+CPU-only machine they take the NumPy fallback at small sizes and their GPU cells say they are
+skipped; on a GPU they run in full. No Jupyter is needed: the cells are read from the .ipynb JSON."""
 
 import importlib.util
 import json
