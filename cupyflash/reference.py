@@ -299,12 +299,22 @@ def output_term_magnitude(
     visible scores s = scale·q k^T (softcapped, ALiBi-biased), times dropout's 1 / (1 - p).
     Arguments as `attention`."""
     p, q, k, v = _prepare(q, k, v, causal, scale, False, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
+    return float(numpy.abs(v).max(initial=0.0)) * _exponent_size(p, q, k) * _dropout.rescale(p.dropout_p)
+
+
+def _exponent_size(p, q, k, lse=None) -> float:
+    """max(1, the largest visible |s_ij|, and with `lse` its largest finite |lse_i|): the size of
+    the operands of the exponents P_ij is computed from, which a float type resolves only to that
+    size times its eps (`output_term_magnitude`, `gradient_term_magnitudes`)."""
     qh, kh = (x.transpose(0, 2, 1, 3) for x in (q, k))
     s = numpy.abs(_modify_scores((qh @ kh.transpose(0, 1, 3, 2)) * p.scale, p, numpy.float64)[0])
     hidden = _hidden(p)
     if hidden is not None:
         s = numpy.where(hidden, 0.0, s)
-    return float(numpy.abs(v).max(initial=0.0)) * max(1.0, float(s.max(initial=0.0))) * _dropout.rescale(p.dropout_p)
+    size = max(1.0, float(s.max(initial=0.0)))
+    if lse is not None:
+        size = max(size, float(numpy.abs(lse[numpy.isfinite(lse)]).max(initial=0.0)))
+    return size
 
 
 def gradient_term_magnitudes(
@@ -320,9 +330,15 @@ def gradient_term_magnitudes(
     dv_j = sum_i P_ij dO_i: max|dO| times the largest column sum of P
     (GQA/MQA: column sums over each K/V head's group of query heads). With dropout, dP and the
     column sums are dropout's P ∘ Z / (1 - p) and dP ∘ Z / (1 - p).
+    Each is then multiplied, as `output_term_magnitude` is, by the size of the exponents' operands:
+    the backward rebuilds P_ij = exp(s_ij - lse_i) from the lse the forward stored (FlashAttention-2's
+    Algorithm 2; float32 unless the inputs are float64), so every P_ij carries a relative error of
+    about max(|s_ij|, |lse_i|)·eps. Standard attention's softmax, exp(s_ij - m_i) / l_i, has the
+    |s|·eps part only, so the baseline does not show the lse part:
+    max(1, max|s_ij|, max|lse_i|) over visible scores and rows that see a key.
     Arguments as `attention_backward`; computed in float64 from the materialised P."""
     p, dout, q, k, v = _prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
-    out, _, _, _, probs = _materialised_forward(q, k, v, p, numpy.float64, None, _keep_mask(p, dropout_batch_start))
+    out, lse, _, _, probs = _materialised_forward(q, k, v, p, numpy.float64, None, _keep_mask(p, dropout_batch_start))
     doh, vh = (x.transpose(0, 2, 1, 3) for x in (dout, v))
     dp = numpy.abs(doh @ vh.transpose(0, 1, 3, 2)) * _dropout.rescale(p.dropout_p)
     d = numpy.abs((doh * out).sum(axis=-1, keepdims=True))
@@ -331,7 +347,9 @@ def gradient_term_magnitudes(
     b, h, s = columns.shape
     column_sum = float(columns.reshape(b, h // p.kv_group, p.kv_group, s).sum(axis=2).max(initial=0.0))
     biggest = [float(numpy.abs(x).max(initial=0.0)) for x in (q, k, dout)]
-    return (p.scale * spread * biggest[1], p.scale * spread * biggest[0] * column_sum, biggest[2] * column_sum)
+    exponent = _exponent_size(p, q, k, lse)
+    return tuple(exponent * x for x in (p.scale * spread * biggest[1], p.scale * spread * biggest[0] * column_sum,
+                                        biggest[2] * column_sum))
 
 
 def attention_backward_in_precision(

@@ -133,7 +133,7 @@ def test_gradient_term_magnitudes_brute_force(rng):
     k, v = k[:, :4], v[:, :4]
     scale = 0.7
     got = reference.gradient_term_magnitudes(dout, q, k, v, causal=True, scale=scale)
-    spread, colsum = 0.0, 0.0
+    spread, colsum, exponent = 0.0, 0.0, 1.0
     for h in range(2):
         s = scale * q[0, :, h] @ k[0, :, h].T
         s[numpy.triu(numpy.ones((5, 4), bool), 4 - 5 + 1)] = -numpy.inf  # key j > i + (4 - 5) hidden
@@ -142,8 +142,29 @@ def test_gradient_term_magnitudes_brute_force(rng):
         d = (dout[0, :, h] * o).sum(axis=1)
         spread = max(spread, (numpy.abs(dout[0, :, h] @ v[0, :, h].T) + numpy.abs(d)[:, None]).max())
         colsum = max(colsum, p.sum(axis=0).max())
+        lse = scipy.special.logsumexp(s, axis=1)  # -inf for the first row, which sees no key
+        exponent = max(exponent, numpy.abs(s[numpy.isfinite(s)]).max(), numpy.abs(lse[numpy.isfinite(lse)]).max())
     want = (scale * spread * numpy.abs(k).max(), scale * spread * numpy.abs(q).max() * colsum, numpy.abs(dout).max() * colsum)
-    numpy.testing.assert_allclose(got, want, rtol=1e-12)
+    numpy.testing.assert_allclose(got, numpy.array(want) * exponent, rtol=1e-12)
+
+
+def test_gradient_floor_covers_rebuilding_p_from_a_float32_lse(rng):
+    """What the exponent factor in `gradient_term_magnitudes` is for. A float32 backward rebuilds
+    P = exp(s - lse) from the lse the forward stored in float32: half an ulp of an lse of 20 is
+    8 eps, so dv_j = P_j dO is off by 8 eps relative from that rounding alone, twice the whole
+    float32 floor (4 eps) when the floor followed only the summed terms."""
+    q = numpy.ones((1, 1, 1, 1))
+    k = numpy.array([20.0, 19.0, 18.0, 17.0]).reshape(1, 4, 1, 1)  # scores s_j = k_j, lse ~ 20.44
+    v, dout = rng.standard_normal((1, 4, 1, 1)), rng.choice([-1.0, 1.0]) * rng.uniform(3, 5, (1, 1, 1, 1))  # dv above 1
+    exact = reference.attention_backward(dout, q, k, v, scale=1.0)[2]
+    _, lse = reference.attention(q, k, v, scale=1.0, return_lse=True)
+    stored = lse + numpy.spacing(numpy.float32(lse)).astype(numpy.float64) / 2  # the worst float32 rounding
+    rebuilt = (numpy.exp(k[0, :, 0, 0] - stored[0, 0]) * dout[0, 0, 0, 0]).reshape(exact.shape)
+    err = numpy.abs(rebuilt - exact).max()
+    magnitude = reference.gradient_term_magnitudes(dout, q, k, v, scale=1.0)[2]
+    without = magnitude / float(numpy.abs(lse).max())  # the factor is max|lse| here
+    assert err <= reference.error_bound(exact, exact, "float32", magnitude)
+    assert err > reference.error_bound(exact, exact, "float32", without)
 
 
 def test_output_term_magnitude_brute_force(rng):
