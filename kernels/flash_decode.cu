@@ -409,6 +409,11 @@ template <typename Element_, int kHeadDim_, int kRows_, int kNWarps_>
 struct DecodeTraits : DecodeLayout<Element_, kHeadDim_, kRows_, kNWarps_, 32 * kNWarps_> {
     using Base = DecodeLayout<Element_, kHeadDim_, kRows_, kNWarps_, 32 * kNWarps_>;
     static constexpr int kColsPerLane = (kHeadDim_ + 31) / 32;
+    // Keys whose V rows are loaded together: 32 words of registers (8 at d128 in float32), at
+    // most 8 keys, one where a key takes 16 words (more spilled: 16 keys of d16 float32 at
+    // sm_90a, 2 keys of d256 float64).
+    static constexpr int kVWords = kColsPerLane * static_cast<int>(sizeof(typename Base::Accum)) / 4;
+    static constexpr int kVKeys = kVWords >= 16 ? 1 : (32 / kVWords < 8 ? 32 / kVWords : 8);
     static constexpr int kQBytes = kRows_ * kHeadDim_ * static_cast<int>(sizeof(typename Base::Accum));
     static constexpr int kSmemBytes = kQBytes > Base::kMergeBytes ? kQBytes : Base::kMergeBytes;
 };
@@ -444,6 +449,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
     }
     const int offset = seqlen_k - params.seqlen_q;  // query i sits at key position i + offset
     const bool modified = kScoreMod && decode_scores_modified(params);
+    constexpr int kVec = 16 / static_cast<int>(sizeof(Storage));
+    const bool k_vectors = params.head_dim % kVec == 0 && params.k_row_stride % kVec == 0 &&
+                           reinterpret_cast<unsigned long long>(k) % 16 == 0;
     for (int t = tiles.x; t < tiles.y; ++t) {
         const int col0 = t * Kt::kBlockN + warp * Kt::kWarpKeys;
         const int keys = min(Kt::kWarpKeys, seqlen_k - col0);  // may be <= 0 in the last tile
@@ -454,12 +462,23 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
         for (int r = 0; r < Kt::kRows; ++r) S[r] = Accum(0);
         if (lane < keys) {
             const Storage* k_row = k + key * params.k_row_stride;
-#pragma unroll 4
-            for (int c = 0; c < params.head_dim; ++c) {
-                const Accum x = Numeric::to_accum(k_row[c]);
+            const auto add_column = [&](int c, Storage element) {
+                const Accum x = Numeric::to_accum(element);
 #pragma unroll
                 for (int r = 0; r < Kt::kRows; ++r)
                     if (r < rows_valid) S[r] += sQ[r * Kt::kHeadDim + c] * x;
+            };
+            if (k_vectors) {  // 16 bytes per load: a quarter of the load instructions for float32
+#pragma unroll 2
+                for (int c = 0; c < params.head_dim; c += kVec) {
+                    const uint4 raw = *reinterpret_cast<const uint4*>(k_row + c);
+                    const Storage* elements = reinterpret_cast<const Storage*>(&raw);
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) add_column(c + e, elements[e]);
+                }
+            } else {
+#pragma unroll 4
+                for (int c = 0; c < params.head_dim; ++c) add_column(c, k_row[c]);
             }
         }
         // Mask, then the online softmax of each row over the warp's 32 keys.
@@ -484,22 +503,29 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
 #pragma unroll
             for (int j = 0; j < Kt::kColsPerLane; ++j) O[r][j] *= rescale;
         }
-        // O_i += P_ij V_j: key by key, its probabilities broadcast from the lane that holds them.
-        for (int kk = 0; kk < keys; ++kk) {
-            const Storage* v_row = v + (col0 + kk) * params.v_row_stride;
-            Accum x[Kt::kColsPerLane];
+        // O_i += P_ij V_j: kVKeys keys at a time, their V rows loaded before any is used (one key
+        // per step left a DRAM latency per key on the path), their probabilities broadcast from the
+        // lanes that hold them. Keys past `keys` load nothing and have P = 0.
+        for (int kk0 = 0; kk0 < keys; kk0 += Kt::kVKeys) {
+            Accum x[Kt::kVKeys][Kt::kColsPerLane];
 #pragma unroll
-            for (int j = 0; j < Kt::kColsPerLane; ++j) {
-                const int c = lane + 32 * j;
-                x[j] = c < params.head_dim ? Numeric::to_accum(v_row[c]) : Accum(0);
+            for (int u = 0; u < Kt::kVKeys; ++u) {
+                const Storage* v_row = v + (col0 + kk0 + u) * params.v_row_stride;
+#pragma unroll
+                for (int j = 0; j < Kt::kColsPerLane; ++j) {
+                    const int c = lane + 32 * j;
+                    x[u][j] = kk0 + u < keys && c < params.head_dim ? Numeric::to_accum(v_row[c]) : Accum(0);
+                }
             }
 #pragma unroll
-            for (int r = 0; r < Kt::kRows; ++r) {
-                if (r >= rows_valid) continue;
-                const Accum p = __shfl_sync(0xffffffffu, S[r], kk);
+            for (int u = 0; u < Kt::kVKeys; ++u)
 #pragma unroll
-                for (int j = 0; j < Kt::kColsPerLane; ++j) O[r][j] += p * x[j];
-            }
+                for (int r = 0; r < Kt::kRows; ++r) {
+                    if (r >= rows_valid) continue;
+                    const Accum p = __shfl_sync(0xffffffffu, S[r], kk0 + u);
+#pragma unroll
+                    for (int j = 0; j < Kt::kColsPerLane; ++j) O[r][j] += p * x[u][j];
+                }
         }
     }
     __syncthreads();  // the merge below overwrites Q
