@@ -27,14 +27,6 @@ PROBLEMS = [  # (batch, seqlen_q, seqlen_k, heads, head_dim, scale factor, dropo
 ]
 
 
-def exponent_size(q, k, lse, scale, causal):
-    s = numpy.abs(numpy.einsum("bqhd,bkhd->bhqk", q, k)) * scale
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        s = numpy.where(numpy.triu(numpy.ones((sq, sk), bool), sk - sq + 1), 0.0, s)
-    return max(1.0, float(s.max()), float(numpy.abs(lse[numpy.isfinite(lse)]).max(initial=0.0)))
-
-
 def margins(rng, dtype, problem, causal):
     import cupy
 
@@ -52,8 +44,7 @@ def margins(rng, dtype, problem, causal):
     exact = reference.attention_backward(dout, q, k, v, **options)
     lowp = reference.attention_backward_in_precision(*(x.astype(dt) for x in (dout, q, k, v)), dt, **options)
     magnitudes = reference.gradient_term_magnitudes(dout, q, k, v, **options)
-    _, ref_lse = reference.attention(q, k, v, return_lse=True, causal=causal, scale=options["scale"])
-    size = exponent_size(q, k, ref_lse, options["scale"], causal)
+    size = reference.gradient_exponent_size(q, k, v, **options)
     ratios = []
     for got, ref, base, magnitude in zip(grads, exact, lowp, magnitudes):
         err = numpy.abs(cupy.asnumpy(got).astype(numpy.float64) - ref).max(initial=0.0)

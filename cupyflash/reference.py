@@ -317,6 +317,18 @@ def _exponent_size(p, q, k, lse=None) -> float:
     return size
 
 
+def gradient_exponent_size(
+    q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None,
+    dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
+) -> float:
+    """The factor `gradient_term_magnitudes` multiplies each of its terms by: max(1, max|s_ij|,
+    max|lse_i|) over visible scores and rows that see a key (dropout does not change it).
+    Arguments as `attention`."""
+    p, q, k, v = _prepare(q, k, v, causal, scale, True, block_mask, window, softcap, alibi_slopes)
+    _, lse, _, _, _ = _materialised_forward(q, k, v, p, numpy.float64, None)
+    return _exponent_size(p, q, k, lse)
+
+
 def gradient_term_magnitudes(
     dout, q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None,
     dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,

@@ -505,7 +505,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
         }
         // O_i += P_ij V_j: kVKeys keys at a time, their V rows loaded before any is used (one key
         // per step left a DRAM latency per key on the path), their probabilities broadcast from the
-        // lanes that hold them. Keys past `keys` load nothing and have P = 0.
+        // lanes that hold them. Keys past `keys` load nothing (x = 0): the lane their index wraps
+        // to in the shuffle then adds nothing.
         for (int kk0 = 0; kk0 < keys; kk0 += Kt::kVKeys) {
             Accum x[Kt::kVKeys][Kt::kColsPerLane];
 #pragma unroll

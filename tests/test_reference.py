@@ -146,6 +146,7 @@ def test_gradient_term_magnitudes_brute_force(rng):
         exponent = max(exponent, numpy.abs(s[numpy.isfinite(s)]).max(), numpy.abs(lse[numpy.isfinite(lse)]).max())
     want = (scale * spread * numpy.abs(k).max(), scale * spread * numpy.abs(q).max() * colsum, numpy.abs(dout).max() * colsum)
     numpy.testing.assert_allclose(got, numpy.array(want) * exponent, rtol=1e-12)
+    assert reference.gradient_exponent_size(q, k, v, causal=True, scale=scale) == pytest.approx(exponent, rel=1e-12)
 
 
 def test_gradient_floor_covers_rebuilding_p_from_a_float32_lse(rng):
