@@ -1,10 +1,11 @@
 """Sweep tile shapes of the tensor-core kernels on the GPU (a development tool).
 
-    python benchmarks/tune_tc.py [--dtype bfloat16 --seqlen 8192 --batch 2] [--causal]
+    python benchmarks/tune_tc.py [--dtype bfloat16 --seqlen 8192 --batch 2] [--causal] [--forward-only]
 
 For head_dim 64 (32 heads) and 128 (16 heads), times the forward kernel and the backward
 (dK/dV kernel with atomic dQ, plus its row kernels; and the deterministic dQ kernel) for each
-candidate tile, median of CUDA-event timings. Each candidate's results are compared with the
+candidate tile, median of CUDA-event timings; on an sm_90 GPU the Hopper (wgmma) forward's
+tiles too. Each candidate's results are compared with the
 traits table's first; a candidate the traits reject or whose shared memory does not fit is
 reported with its error's first line; any other exception stops the sweep.
 """
@@ -21,6 +22,13 @@ FWD = {
     64: [T(128, 64, 4, 1), T(128, 128, 4, 1), T(128, 64, 4, 2), T(64, 64, 4, 2)],
     128: [T(128, 64, 4, 1), T(128, 32, 4, 1), T(128, 64, 8, 1), T(128, 128, 8, 1)],
     256: [T(128, 64, 8, 1), T(64, 64, 4, 1), T(64, 32, 4, 1)],
+}
+# The Hopper forward (wgmma, sm_90a only): 64 query rows per warpgroup, 64 or 128 keys per step.
+# One warpgroup per block with 2-3 blocks per SM lets one block's softmax overlap another's wgmma
+# (no barrier ties them), at the price of loading K_j, V_j once per 64 rows instead of 128.
+HOPPER_FWD = {
+    64: [T(128, 128, 8, 1), T(128, 64, 8, 2), T(192, 128, 12, 1), T(64, 128, 4, 2), T(64, 128, 4, 3)],
+    128: [T(128, 128, 8, 1), T(128, 64, 8, 1), T(192, 64, 12, 1), T(64, 64, 4, 2)],
 }
 DKDV = {  # (block_m, block_n, warps, warps_q, do_buffers, out_split, min_blocks); warps_q=1: session 4's layout
     64: [D(128, 128, 8, 2, 1, 1, 1), D(128, 128, 8, 2, 2, 1, 1), D(64, 128, 8, 2, 2, 1, 1), D(64, 128, 8, 2, 1, 1, 1)],
@@ -45,7 +53,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--head-dim", type=int, action="append")
+    ap.add_argument("--forward-only", action="store_true")
     args = ap.parse_args(argv)
+    hopper = cupy.cuda.Device().compute_capability == str(inst.WGMMA_COMPUTE_CAPABILITY)
     dtype = _validation.BFLOAT16 if args.dtype == "bfloat16" else numpy.dtype(args.dtype)
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"# {name}: {args.dtype} b{args.batch} s{args.seqlen} causal={args.causal}")
@@ -63,9 +73,11 @@ def main(argv=None):
         out = cupy.empty_like(q)
         lse = cupy.empty((b, h, s), dtype=numpy.float32)
         first = None
-        for tile in FWD[d]:
-            kernel = inst.TcFwdKernel(p.dtype_name, d, p.causal, tile)
-            label = f"fwd d{d} {tuple(tile.__dict__.values())}"
+        candidates = [(inst.TcFwdKernel, "fwd", tile) for tile in FWD[d]]
+        candidates += [(inst.WgmmaFwdKernel, "fwd wgmma", tile) for tile in HOPPER_FWD.get(d, []) if hopper]
+        for kind, name, tile in candidates:
+            kernel = kind(p.dtype_name, d, p.causal, tile)
+            label = f"{name} d{d} {tuple(tile.__dict__.values())}"
             try:
                 _attention.launch_forward(q, k, v, out, lse, p, kernel)
             except (CompileException, ValueError) as e:
@@ -76,6 +88,8 @@ def main(argv=None):
             diff = float(cupy.abs(got - first).max())
             ms = ms_of(_attention.launch_forward, q, k, v, out, lse, p, kernel)
             print(f"{label:40} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s  diff {diff:.1e}")
+        if args.forward_only:
+            continue
         _attention.launch_forward(q, k, v, out, lse, p, tensor_cores=True)
         grads = [cupy.empty_like(x) for x in (q, k, v)]
         for det, table in ((False, DKDV), (True, DQ)):

@@ -67,7 +67,7 @@ def check_kernels(argv) -> int:
     from cupyflash import _compile
 
     archs = args.arch or ["sm_80", "sm_90a"]
-    failed = spilled = total = 0
+    failed = spilled = serialized = total = 0
     print(f"{'arch':7} {'regs':>4} {'smem B':>7} {'stack':>5} {'spill st/ld':>11}  kernel")
     for arch in archs:
         kernels = [k for k in inst.all_kernels(arch) if not args.dtype or k.dtype_name in args.dtype]
@@ -84,14 +84,15 @@ def check_kernels(argv) -> int:
             for r in reports:
                 spill = r.spill_store_bytes + r.spill_load_bytes
                 spilled += spill > 0
-                flag = "  <-- SPILLS" if spill else ""
+                serialized += r.wgmma_serialized
+                flag = ("  <-- SPILLS" if spill else "") + ("  <-- WGMMA SERIALIZED" if r.wgmma_serialized else "")
                 print(
                     f"{r.arch:7} {r.registers:4d} {r.smem_bytes:7d} {r.stack_bytes:5d} "
                     f"{r.spill_store_bytes:5d}/{r.spill_load_bytes:<5d}  {r.name_expression}{flag}"
                 )
             print(f"# {arch} {source} {dtype_name}: {len(group)} kernels in {time.perf_counter() - start:.1f} s")
-    print(f"{total - failed} of {total} kernel builds compiled; {spilled} spill")
-    return 1 if failed or (spilled and not args.allow_spills) else 0
+    print(f"{total - failed} of {total} kernel builds compiled; {spilled} spill; {serialized} wgmma serialized")
+    return 1 if failed or serialized or (spilled and not args.allow_spills) else 0
 
 
 # --------------------------------------------------------------------------- the demo run

@@ -73,9 +73,10 @@ def get_function(kernel, device_id: int):
                 f"{kernel.smem_bytes} bytes of shared memory per block; device {device_id} allows "
                 f"{limit}. Use a smaller head_dim or a lower precision."
             )
-        module = cupy.RawModule(
-            code=_source_for([kernel]), options=COMPILE_OPTIONS, name_expressions=[kernel.name_expression]
-        )
+        # A kernel built for one architecture's own features (wgmma: sm_90a) names it; NVRTC takes
+        # that over the -arch CuPy adds from the device.
+        options = COMPILE_OPTIONS + getattr(kernel, "compile_options", ())
+        module = cupy.RawModule(code=_source_for([kernel]), options=options, name_expressions=[kernel.name_expression])
         function = module.get_function(kernel.name_expression)
         if kernel.smem_bytes > 48 * 1024:  # above 48 KiB a launch needs the opt-in attribute
             function.max_dynamic_shared_size_bytes = kernel.smem_bytes
@@ -94,11 +95,17 @@ class KernelReport:
     spill_store_bytes: int
     spill_load_bytes: int
     smem_bytes: int
+    # ptxas made the kernel's wgmma products wait for each other or for their results early (its
+    # C7511/C7517 notes), e.g. where accumulators are touched between issue and wait: correct, but slower.
+    wgmma_serialized: bool = False
 
 
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(\S+)'")
 _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
+# ptxas' notes that it serialized a kernel's wgmma products (C7511 and kin) or waited for them early
+# (C7517, "wgmma.wait_group is injected"), naming the function.
+_PTXAS_WGMMA_SERIALIZED = re.compile(r"wgmma\S* (?:instructions are serialized|is injected).*? function '(\S+)'")
 
 
 def compile_offline(kernels, arch: str) -> list[KernelReport]:
@@ -128,6 +135,8 @@ def compile_offline(kernels, arch: str) -> list[KernelReport]:
 
 def _parse_ptxas_log(log: str, lowered: dict, arch: str) -> list[KernelReport]:
     reports, current, frame = [], None, None
+    serialized = {lowered[m.group(1)].name_expression for m in _PTXAS_WGMMA_SERIALIZED.finditer(log)
+                  if m.group(1) in lowered}
     for line in log.splitlines():
         if m := _PTXAS_ENTRY.search(line):
             current, frame = lowered.get(m.group(1)), None
@@ -135,7 +144,8 @@ def _parse_ptxas_log(log: str, lowered: dict, arch: str) -> list[KernelReport]:
             frame = tuple(int(x) for x in m.groups())
         elif (m := _PTXAS_REGS.search(line)) and current is not None and frame is not None:
             reports.append(
-                KernelReport(current.name_expression, arch, int(m.group(1)), *frame, current.smem_bytes)
+                KernelReport(current.name_expression, arch, int(m.group(1)), *frame, current.smem_bytes,
+                             current.name_expression in serialized)
             )
             current = None
     missing = set(k.name_expression for k in lowered.values()) - {r.name_expression for r in reports}

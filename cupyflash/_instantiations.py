@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 
 import numpy
@@ -151,14 +152,17 @@ def _row_stride(dtype_name: str, columns: int) -> int:
 
 def fwd_kernel(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, block_sparse: bool = False,
-    score_mod: bool = False, varlen: bool = False,
+    score_mod: bool = False, varlen: bool = False, wgmma: bool = False,
 ):
-    """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), else
-    FwdKernel; its local instantiation for causal or windowed attention, its block-sparse one with
-    block_sparse, its score-modifier one (softcap, ALiBi; local) with score_mod, its
-    variable-length one (local, score modifiers, dense) with varlen."""
-    _check_tensor_core_dtype(dtype_name, tensor_cores)
-    kind = TcFwdKernel if tensor_cores else FwdKernel
+    """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), or
+    WgmmaFwdKernel with wgmma too (Hopper; head dims padded to WGMMA_HEAD_DIMS), else FwdKernel; its
+    local instantiation for causal or windowed attention, its block-sparse one with block_sparse,
+    its score-modifier one (softcap, ALiBi; local) with score_mod, its variable-length one (local,
+    score modifiers, dense) with varlen."""
+    _check_tensor_core_dtype(dtype_name, tensor_cores or wgmma)
+    if wgmma and padded_head_dim(head_dim) not in WGMMA_HEAD_DIMS:
+        raise ValueError(f"the Hopper forward kernel takes head dims padded to {WGMMA_HEAD_DIMS}, not {head_dim}")
+    kind = WgmmaFwdKernel if wgmma else TcFwdKernel if tensor_cores else FwdKernel
     local, sparse, mod, var = _variant_flags(local, block_sparse, score_mod, varlen)
     return kind(dtype_name, padded_head_dim(head_dim), local, block_sparse=sparse, score_mod=mod, varlen=var)
 
@@ -407,6 +411,8 @@ def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
             kernels += [fwd_kernel(dtype_name, d, local, True, True, mod),
                         *bwd_kernels(dtype_name, d, local, True, block_sparse=True, score_mod=mod)]
             kernels += [bwd_kernels(dtype_name, d, local, True, large_smem=True, block_sparse=True, score_mod=mod)[0]]
+            if d in WGMMA_HEAD_DIMS:
+                kernels += [fwd_kernel(dtype_name, d, local, True, True, mod, wgmma=True)]
     return max(k.tile.block_m for k in kernels), max(k.tile.block_n for k in kernels)
 
 
@@ -422,14 +428,18 @@ def all_bwd_kernels() -> list:
 def all_kernels(arch: str | None = None) -> list:
     """Every instantiation: what `check-kernels` and the CPU compile tests build; with arch
     (e.g. "sm_80", "sm_90a"), those that can run on it (`runs_on`)."""
-    kernels = all_fwd_kernels() + [DropoutMaskKernel()] + all_bwd_kernels() + all_tc_kernels() + all_decode_kernels()
+    kernels = (all_fwd_kernels() + [DropoutMaskKernel()] + all_bwd_kernels() + all_tc_kernels()
+               + all_wgmma_kernels() + all_decode_kernels())
     return kernels if arch is None else [k for k in kernels if runs_on(k, arch)]
 
 
 def runs_on(kernel, arch: str) -> bool:
     """Whether `kernel` can be chosen on a GPU of this architecture: the dK/dV tiles for an
-    H100's shared memory (large_smem) only on sm_90 and newer, the GPUs that have it."""
+    H100's shared memory (large_smem) only on sm_90 and newer, the GPUs that have it; the Hopper
+    kernels (wgmma, built for sm_90a) only on sm_90a."""
     version = re.fullmatch(r"sm_(\d+)a?", arch)
+    if getattr(kernel, "arch", None) is not None:
+        return arch == kernel.arch
     return not getattr(kernel, "large_smem", False) or (version is not None and int(version.group(1)) >= 90)
 
 
@@ -641,6 +651,66 @@ class TcBwdDqKernel(_TcKernel):
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.tile.block_m) * self.tile.out_split, heads, batch)
+
+
+# --------------------------------------------------------------------------- Hopper (sm_90a)
+
+# The forward on Hopper's warpgroup instructions (wgmma; kernels/flash_fwd_tc.cu with WgmmaFwdTraits), built for
+# sm_90a only (the "a" features are not in later architectures). Head dims padded to whole
+# 64-column panels of the swizzled tiles; the others keep the mma.sync kernel.
+WGMMA_HEAD_DIMS = (64, 128)
+WGMMA_ARCH = "sm_90a"
+WGMMA_COMPUTE_CAPABILITY = 90
+# Not chosen by attention() unless CUPYFLASH_HOPPER_FORWARD=1 is set until the kernel has passed
+# the GPU suite (it was written in a session with no GPU); tests and benchmarks can pick it
+# explicitly (`wgmma=True`).
+WGMMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_FORWARD", "0") == "1"
+
+
+def wgmma_fwd_tile_shape(padded_head_dim: int) -> TcTileShape:
+    """Two warpgroups of 64 query rows, 128 keys per step (one m64n128 wgmma per k-step of S)."""
+    return TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaFwdKernel(_TcKernel):
+    """kernels/flash_fwd_tc.cu's flash_fwd_tc_kernel with the Hopper traits (wgmma products; sm_90a):
+    one block per query block."""
+
+    source_file = "flash_fwd_tc.cu"
+    kernel_name = "flash_fwd_tc_kernel"
+    traits_name = "WgmmaFwdTraits"
+    arch = WGMMA_ARCH
+    compile_options = (f"--gpu-architecture={WGMMA_ARCH}",)
+
+    @property
+    def tile(self) -> TcTileShape:
+        return self.tile_override or wgmma_fwd_tile_shape(self.head_dim)
+
+    @property
+    def smem_bytes(self) -> int:
+        # Mirrors WgmmaFwdTraits::kSmemBytes: Q_i, K_j, V_j unpadded, and a swizzle period (1024
+        # bytes) to align their base.
+        t = self.tile
+        return (t.block_m + 2 * t.block_n) * self.head_dim * 2 + 1024
+
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)
+
+
+def uses_wgmma(dtype_name: str, padded_head_dim: int, compute_capability: int) -> bool:
+    """Whether the Hopper forward kernel can serve a problem on a device of this compute capability."""
+    return (dtype_name in TENSOR_CORE_DTYPES and padded_head_dim in WGMMA_HEAD_DIMS
+            and compute_capability == WGMMA_COMPUTE_CAPABILITY)
+
+
+def all_wgmma_kernels() -> list:
+    return [
+        WgmmaFwdKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var)
+        for dtype_name in TENSOR_CORE_DTYPES
+        for d in WGMMA_HEAD_DIMS
+        for local, sparse, mod, var in _variants()
+    ]
 
 
 def uses_tensor_cores(dtype_name: str, compute_capability: int) -> bool:

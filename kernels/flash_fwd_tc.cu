@@ -1,47 +1,73 @@
-// Attention forward on tensor cores (float16 / bfloat16, sm_80+): FlashAttention-2, Algorithm 1,
-// with mma.sync.m16n8k16 and float32 accumulation. Same algorithm, arguments and results as the
-// scalar flash_fwd.cu (the readable baseline); what changes is where the arithmetic runs:
-//   - S_ij = Q_i K_j^T and O_i += P_ij V_j are warp-level mma products on ldmatrix'd fragments;
+// Attention forward on tensor cores (float16 / bfloat16): FlashAttention-2, Algorithm 1, with
+// float32 accumulation. Same algorithm, arguments and results as the scalar flash_fwd.cu (the
+// readable baseline); what changes is where the arithmetic runs:
+//   - S_ij = Q_i K_j^T and O_i += P_ij V_j are tensor-core products: on sm_80 and newer,
+//     warp-level mma.sync on ldmatrix'd fragments of padded tiles; on Hopper (sm_90a,
+//     WgmmaFwdTraits), warpgroup-level wgmma reading swizzled tiles through descriptors, 64 query
+//     rows per warpgroup (scores_wgmma, accumulate_wgmma);
 //   - P_ij never leaves registers: its accumulator tile is rounded to 16 bits and used directly as
 //     the A operand of P V (so P is rounded to the input type, as in every fused 16-bit kernel);
 //   - K_j and V_j stream in through cp.async, each loaded while the other is being used;
 //   - scores stay unscaled in the products; scale·log2(e) is folded into exp2's argument.
+// Either way a warp holds whole rows of S_ij and O_i in mma.sync's fragment layout, so the online
+// softmax, masks, score modifiers, dropout and epilogue are one code.
 #include "flash_tc.cuh"
+#include "wgmma.cuh"
 
 namespace cupyflash {
 
-// Algorithm 1, lines 12-13: O_i / l_i written in the element type, lse_i = m_i·ln2 + ln(l_i).
-// kRescale: O_i times out_scale too (dropout's 1 / (1 - p)), as the scalar epilogue.
-template <typename Kt, bool kRescale = false>
-__device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
-                                         const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
-                                         int batch_idx, int head_idx, int warp_row0, const Fragment& f,
-                                         float out_scale = 1.f) {
-    float* lse = static_cast<float*>(params.lse) + batch_idx * params.lse_batch_stride +
-                 head_idx * params.lse_head_stride;
+// The two products of a step on Hopper: a warpgroup multiplies its 64 rows, each product issued and
+// then waited for. Q_i and K_j are K-major operands (head dim contiguous); V_j an MN-major one (B =
+// V_j, [keys][head dim], read transposed). S and O are the calling warp's tiles, as with mma.sync.
+
+// S_ij = Q_i K_j^T: kHeadDim / 16 k-steps of an m64 n(kBlockN) k16 product. Step ks reads columns
+// 16·ks.. of both tiles: panel ks / 4, 32 bytes into its (swizzled) rows; the first step overwrites S.
+template <typename Kt>
+__device__ __forceinline__ void scores_wgmma(float (&S)[1][Kt::kNTiles][4], unsigned sQ, unsigned sK, int warp) {
+    const unsigned long long q_desc = smem_descriptor(sQ + Kt::row_bytes(64 * (warp / 4)), 16, kSwizzleAtomBytes);
+    const unsigned long long k_desc = smem_descriptor(sK, 16, kSwizzleAtomBytes);
+    wgmma_fence();
 #pragma unroll
-    for (int mt = 0; mt < Kt::kMTiles; ++mt)
+    for (int ks = 0; ks < Kt::kKSteps; ++ks) {
+        const unsigned panel = ks / Kt::kKStepsPerPanel, step_bytes = ks % Kt::kKStepsPerPanel * 32;
+        Wgmma<typename Kt::Element>::template ss<Kt::kBlockN>(
+            S[0], descriptor_at(q_desc, panel * Kt::row_bytes(Kt::kBlockM) + step_bytes),
+            descriptor_at(k_desc, panel * Kt::row_bytes(Kt::kBlockN) + step_bytes), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(S[0]);
+}
+
+// O_i += P_ij V_j: kBlockN / 16 k-steps of 16 keys, each an m64 n64 k16 product per 64-column panel
+// of V_j (16 keys of a panel: 16 rows of 128 bytes).
+template <typename Kt>
+__device__ __forceinline__ void accumulate_wgmma(float (&O)[1][Kt::kHeadDim / 8][4], unsigned (&P)[1][Kt::kNTiles / 2][4],
+                                                 unsigned sV) {
+    const unsigned long long v_desc = smem_descriptor(sV, Kt::row_bytes(Kt::kBlockN), kSwizzleAtomBytes);
+    fence_operands(O[0]);  // O_i's rescale and P_ij are written before the fence
+    fence_operands(P[0]);
+    wgmma_fence();
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float l_row = quad_sum(l[mt][h]);
-            const float inv_l = l_row > 0.f ? (kRescale ? out_scale / l_row : 1.f / l_row) : 0.f;
-#pragma unroll
-            for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
-                O[mt][dt][2 * h] *= inv_l;
-                O[mt][dt][2 * h + 1] *= inv_l;
-            }
-            const int row = warp_row0 + f.row(mt, h);
-            if (f.t == 0 && row < params.seqlen_q) {
-                // In double, as the scalar kernel: the backward rebuilds every P_ij of the row from it.
-                lse[row] = l_row > 0.f ? static_cast<float>(static_cast<double>(m[mt][h]) * kLn2 +
-                                                            log(static_cast<double>(l_row)))
-                                       : neg_inf<float>();
-            }
-        }
-    typename Kt::Storage* o = static_cast<typename Kt::Storage*>(params.o) + batch_idx * params.o_batch_stride +
-                              head_idx * params.o_head_stride + warp_row0 * params.o_row_stride;
-    store_fragments<typename Kt::Element>(o, params.o_row_stride, params.seqlen_q - warp_row0, params.head_dim, O,
-                                          1.f, f);
+    for (int ks = 0; ks < Kt::kNTiles / 2; ++ks)
+        static_for<0, Kt::kPanels>([&](auto panel) {
+            constexpr int kPanel = decltype(panel)::value;
+            Wgmma<typename Kt::Element>::template rs<kPanelColumns, kPanel * kPanelColumns / 8>(
+                O[0], P[0][ks], descriptor_at(v_desc, kPanel * Kt::row_bytes(Kt::kBlockN) + Kt::row_bytes(16 * ks)), 1);
+        });
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(O[0]);
+}
+
+// Waits for this thread's tile copies and publishes them to the block: behind the barrier every
+// thread's copies have landed (and every warp is done with the tiles read before it). Tiles
+// wgmma reads pass from the threads' (generic) view to the tensor cores' (async proxy) view first.
+template <typename Kt>
+__device__ __forceinline__ void tiles_landed() {
+    cp_async_wait<0>();
+    if constexpr (Kt::kWgmma) fence_proxy_async();
+    __syncthreads();
 }
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads. Shared memory: Kt::kSmemBytes.
@@ -54,9 +80,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     using Storage = typename Kt::Storage;
     using Op = typename Kt::Op;
     extern __shared__ __align__(16) unsigned char smem[];
-    const unsigned sQ = smem_address(smem) + Kt::kSmemQOffset * 2;  // Q_i [kBlockM][kStride]
-    const unsigned sK = smem_address(smem) + Kt::kSmemKOffset * 2;  // K_j [kBlockN][kStride]
-    const unsigned sV = smem_address(smem) + Kt::kSmemVOffset * 2;  // V_j [kBlockN][kStride]
+    const unsigned tiles = Kt::tile_base(smem_address(smem));
+    const unsigned sQ = tiles + Kt::kSmemQOffset * 2;  // Q_i [kBlockM][head dim], laid out as Kt says
+    const unsigned sK = tiles + Kt::kSmemKOffset * 2;  // K_j [kBlockN][head dim]
+    const unsigned sV = tiles + Kt::kSmemVOffset * 2;  // V_j [kBlockN][head dim]
 
     // With causal, query blocks further down see more keys; they are started first (the grid
     // runs in blockIdx order), so the short ones fill in the tail of the launch.
@@ -109,16 +136,21 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         if (!kIsBlockSparse && t < key_blocks.begin) continue;
         const int col0 = key_blocks[t] * Kt::kBlockN;
         const int keys_valid = min(Kt::kBlockN, params.seqlen_k - col0);
-        cp_async_wait<0>();
-        __syncthreads();  // K_j (and Q_i) have landed; every warp is done reading V_{j-1}
+        tiles_landed<Kt>();  // K_j (and Q_i) have landed; every warp is done reading V_{j-1}
         load_tile_async<Kt, Kt::kBlockN>(sV, v + col0 * params.v_row_stride, params.v_row_stride, keys_valid,
                                          params.head_dim);
         cp_async_commit();
 
         float S[Kt::kMTiles][Kt::kNTiles][4];
-        zero(S);
-        gemm_abt_ss<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride, Kt::kStride>(
-            S, sQ + warp * Kt::kWarpRows * Kt::kStride * 2, sK, lane);
+        // (The mma.sync products stay written out here: called through a wrapper, NVRTC scheduled
+        // 35 of the 63 16-bit kernels differently.)
+        if constexpr (Kt::kWgmma) {
+            scores_wgmma<Kt>(S, sQ, sK, warp);
+        } else {
+            zero(S);
+            gemm_abt_ss<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride, Kt::kStride>(
+                S, sQ + warp * Kt::kWarpRows * Kt::kStride * 2, sK, lane);
+        }
         if (keys_valid < Kt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid)))
             mask_fragments<kIsLocal, false>(S, warp_row0, col0, params, f);
         if constexpr (kScoreMod) {
@@ -138,15 +170,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
         to_a_fragments<Op>(S, P);
 
-        cp_async_wait<0>();
-        __syncthreads();  // V_j has landed; every warp is done reading K_j
+        tiles_landed<Kt>();  // V_j has landed; every warp is done reading K_j
         if (t + 1 < key_blocks.end) {
             const int next = kIsBlockSparse ? key_blocks[t + 1] * Kt::kBlockN : col0 + Kt::kBlockN;
             load_tile_async<Kt, Kt::kBlockN>(sK, k + next * params.k_row_stride, params.k_row_stride,
                                              min(Kt::kBlockN, params.seqlen_k - next), params.head_dim);
         }
         cp_async_commit();
-        gemm_ab_rs<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles / 2, Kt::kStride>(O, P, sV, lane);
+        if constexpr (Kt::kWgmma)
+            accumulate_wgmma<Kt>(O, P, sV);
+        else
+            gemm_ab_rs<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles / 2, Kt::kStride>(O, P, sV, lane);
     }
 
     epilogue_tc<Kt, kScoreMod>(params, O, m, l, q_batch, head_idx, warp_row0, f, dropout_rescale<kScoreMod, float>(params));

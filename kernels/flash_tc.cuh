@@ -18,7 +18,8 @@ struct Fragment {
 };
 
 // Copies a kRows x head_dim tile (rows row_stride apart, head dim contiguous) into a
-// [kRows][Lt::kStride] shared-memory tile at byte address s_tile, zero-filling rows >= rows_valid
+// [kRows][head dim] shared-memory tile at byte address s_tile, laid out as Lt says (padded rows of
+// Lt::kStride, or swizzled panels: Lt::tile_offset), zero-filling rows >= rows_valid
 // and columns >= head_dim, so that padding adds nothing to a product and no stale value (possibly
 // NaN) meets a zero weight. Thread i always moves the 16-byte chunk (row i / chunks-per-row + a
 // multiple of kRowsPerPass, column chunk i % chunks-per-row), so its addresses advance by a fixed
@@ -38,9 +39,10 @@ __device__ __forceinline__ void load_tile_async(unsigned s_tile, const typename 
     // A chunk wholly past head_dim copies nothing; its address stays inside the row.
     const int col_bytes = max(0, min(16, (head_dim - col) * 2));
     const Storage* g = g_tile + row * row_stride + (col_bytes > 0 ? col : 0);
-    const unsigned s = s_tile + (row * Lt::kStride + col) * 2;
+    const unsigned s = s_tile + Lt::template tile_offset<kRows>(row, col);
     const long long g_step = kRowsPerPass * row_stride;
-    constexpr unsigned kSStep = kRowsPerPass * Lt::kStride * 2;
+    constexpr unsigned kSStep = Lt::row_bytes(kRowsPerPass);
+    static_assert(kRowsPerPass % Lt::kRowPeriod == 0, "a pass moves every chunk by the same shared-memory step");
     const bool vectorised =
         ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 2)) & 15) == 0;
     if (vectorised && rows_valid >= kRows) {
@@ -379,6 +381,41 @@ __device__ __forceinline__ void store_fragments(typename NumericTraits<Element>:
                 }
             }
         }
+}
+
+// The forward's epilogue (Algorithm 1, lines 12-13): O_i / l_i written in the element type,
+// lse_i = m_i·ln2 + ln(l_i).
+// kRescale: O_i times out_scale too (dropout's 1 / (1 - p)), as the scalar epilogue.
+template <typename Kt, bool kRescale = false>
+__device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
+                                         const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
+                                         int batch_idx, int head_idx, int warp_row0, const Fragment& f,
+                                         float out_scale = 1.f) {
+    float* lse = static_cast<float*>(params.lse) + batch_idx * params.lse_batch_stride +
+                 head_idx * params.lse_head_stride;
+#pragma unroll
+    for (int mt = 0; mt < Kt::kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float l_row = quad_sum(l[mt][h]);
+            const float inv_l = l_row > 0.f ? (kRescale ? out_scale / l_row : 1.f / l_row) : 0.f;
+#pragma unroll
+            for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
+                O[mt][dt][2 * h] *= inv_l;
+                O[mt][dt][2 * h + 1] *= inv_l;
+            }
+            const int row = warp_row0 + f.row(mt, h);
+            if (f.t == 0 && row < params.seqlen_q) {
+                // In double, as the scalar kernel: the backward rebuilds every P_ij of the row from it.
+                lse[row] = l_row > 0.f ? static_cast<float>(static_cast<double>(m[mt][h]) * kLn2 +
+                                                            log(static_cast<double>(l_row)))
+                                       : neg_inf<float>();
+            }
+        }
+    typename Kt::Storage* o = static_cast<typename Kt::Storage*>(params.o) + batch_idx * params.o_batch_stride +
+                              head_idx * params.o_head_stride + warp_row0 * params.o_row_stride;
+    store_fragments<typename Kt::Element>(o, params.o_row_stride, params.seqlen_q - warp_row0, params.head_dim, O,
+                                          1.f, f);
 }
 
 // Two adjacent floats added atomically: one vector reduction on sm_90 (8-byte aligned address),

@@ -38,8 +38,35 @@ struct TcTileLayout {
     static constexpr int kPad = 8;
     static constexpr int kStride = kHeadDim + kPad;  // row stride of a [rows][head dim] tile, elements
 
+    // Byte offset of (row, col) in a [kRows][kHeadDim] tile, col a multiple of 8; rows a multiple
+    // of kRowPeriod apart are row_bytes(rows) apart in every column.
+    static constexpr int kRowPeriod = 1;
+    template <int kRows>
+    static __device__ __forceinline__ unsigned tile_offset(int row, int col) { return (row * kStride + col) * 2; }
+    static __host__ __device__ constexpr unsigned row_bytes(int rows) { return rows * kStride * 2; }
+
     static_assert(sizeof(Storage) == 2, "tensor-core kernels take 16-bit elements");
     static_assert(kHeadDim % 16 == 0, "the head dim is padded to a multiple of the k16 step");
+};
+
+// Tiles that wgmma reads through descriptors (wgmma.cuh) are stored in 128-byte-swizzled panels:
+// [head dim / 64 panels][rows][64 elements], a panel row 128 bytes, its 16-byte chunk c kept at
+// chunk position c ^ (row % 8). Eight rows then spread each chunk column over all 32 banks (writes
+// and tensor-core reads without conflicts), and this is the layout of wgmma's 128-byte swizzle mode
+// (PTX ISA, "Shared Memory Matrix Layout"). The hardware swizzles address bits, so a panel starts
+// at a 1024-byte boundary, the pattern's period.
+constexpr int kSwizzleBytes = 128;                    // a panel row
+constexpr int kPanelColumns = kSwizzleBytes / 2;      // 16-bit elements per panel row
+constexpr int kSwizzleAtomBytes = 8 * kSwizzleBytes;  // 8 rows: the swizzle's period
+
+struct SwizzledTileLayout {
+    static constexpr int kRowPeriod = 8;
+    template <int kRows>
+    static __device__ __forceinline__ unsigned tile_offset(int row, int col) {
+        const int chunk = col % kPanelColumns / 8;
+        return (col / kPanelColumns) * (kRows * kSwizzleBytes) + row * kSwizzleBytes + (chunk ^ (row % 8)) * 16;
+    }
+    static __host__ __device__ constexpr unsigned row_bytes(int rows) { return rows * kSwizzleBytes; }
 };
 
 // kRows rows split evenly over the warps, whole m16 tiles each.
@@ -61,12 +88,51 @@ struct TcFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_> {
     static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
     static constexpr int kNTiles = kBlockN / 8;  // n8 tiles of S_ij per m16 tile
 
+    static constexpr bool kWgmma = false;  // mma.sync products (WgmmaFwdTraits: wgmma)
     static constexpr int kSmemQOffset = 0;  // Storage elements
     static constexpr int kSmemKOffset = kSmemQOffset + kBlockM * Base::kStride;
     static constexpr int kSmemVOffset = kSmemKOffset + kBlockN * Base::kStride;
     static constexpr int kSmemBytes = (kSmemVOffset + kBlockN * Base::kStride) * 2;
+    static __device__ __forceinline__ unsigned tile_base(unsigned smem) { return smem; }
 
     static_assert(kBlockN % 16 == 0, "P_ij feeds P V in k16 steps");
+};
+
+// Forward on Hopper (wgmma, sm_90a; flash_fwd_tc.cu's kernel with these traits): one block per
+// query block, 64 rows per warpgroup. A warpgroup issues S = Q_i K_j^T and O_i += P_ij V_j for its
+// rows as wgmma products; each of its warps then holds 16 of the rows (kMTiles = 1), the warp tile
+// the tensor-core softmax takes. Q_i, K_j, V_j are swizzled panels; K_j and V_j have one buffer
+// each, each loaded while the other is in use. The shared memory includes a swizzle period's slack
+// to round the tiles' base up to one.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocksPerSm_>
+struct WgmmaFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_>, SwizzledTileLayout {
+    using Base = TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_>;
+    using SwizzledTileLayout::kRowPeriod;
+    using SwizzledTileLayout::row_bytes;
+    using SwizzledTileLayout::tile_offset;
+    static constexpr int kBlockM = kBlockM_;  // B_r: queries per block
+    static constexpr int kBlockN = kBlockN_;  // B_c: keys per iteration
+    static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+    static constexpr int kNTiles = kBlockN / 8;  // n8 tiles of a warp's S_ij rows
+    static constexpr int kWarpgroups = kNWarps_ / 4;
+    static constexpr int kPanels = kHeadDim_ / kPanelColumns;
+    static constexpr int kKStepsPerPanel = kPanelColumns / 16;
+
+    static constexpr bool kWgmma = true;
+    static constexpr int kSmemQOffset = 0;  // Storage elements from the aligned base
+    static constexpr int kSmemKOffset = kSmemQOffset + kBlockM * kHeadDim_;
+    static constexpr int kSmemVOffset = kSmemKOffset + kBlockN * kHeadDim_;
+    static constexpr int kSmemBytes = (kSmemVOffset + kBlockN * kHeadDim_) * 2 + kSwizzleAtomBytes;
+    // The first swizzle period in the block's shared memory.
+    static __device__ __forceinline__ unsigned tile_base(unsigned smem) {
+        return (smem + kSwizzleAtomBytes - 1) & ~static_cast<unsigned>(kSwizzleAtomBytes - 1);
+    }
+
+    static_assert(kNWarps_ % 4 == 0 && kBlockM == 64 * kWarpgroups, "64 query rows per warpgroup");
+    static_assert(Base::kMTiles == 1, "a warp holds 16 rows of its warpgroup's product");
+    static_assert(kHeadDim_ % kPanelColumns == 0, "the head dim is whole 64-column panels");
+    static_assert(kBlockN == 64 || kBlockN == 128, "S_ij is one wgmma wide (widths 64, 128)");
+    static_assert((kBlockN * kSwizzleBytes) % kSwizzleAtomBytes == 0, "K_j, V_j panels start on swizzle periods");
 };
 
 // Backward dK/dV: one block per (key block, output column slice, head, batch). Its rows are keys:

@@ -15,13 +15,19 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy's NVRT
 ARCHS = ["sm_80", "sm_90a"]
 
 
-# One NVRTC program per (source file, dtype), as check-kernels builds them: the scalar kernels for
-# every dtype, the tensor-core kernels for float16 / bfloat16.
-GROUPS = sorted({(k.source_file, k.dtype_name) for k in _instantiations.all_kernels()})
+# One NVRTC program per (architecture, source file, dtype), as check-kernels builds them: the scalar
+# kernels for every dtype, the tensor-core kernels for float16 / bfloat16, the Hopper ones for sm_90a only.
+GROUPS = sorted({(arch, k.source_file, k.dtype_name) for arch in ARCHS for k in _instantiations.all_kernels(arch)})
 
 
-@pytest.mark.parametrize("source_file,dtype_name", GROUPS)
-@pytest.mark.parametrize("arch", ARCHS)
+def test_groups_cover_every_kernel_and_the_hopper_kernels_only_sm_90a():
+    assert {(s, d) for _, s, d in GROUPS} == {(k.source_file, k.dtype_name) for k in _instantiations.all_kernels()}
+    hopper = _instantiations.all_wgmma_kernels()
+    assert hopper and all(_instantiations.runs_on(k, "sm_90a") for k in hopper)
+    assert not any(_instantiations.runs_on(k, arch) for k in hopper for arch in ("sm_80", "sm_90", "sm_100a"))
+
+
+@pytest.mark.parametrize("arch,source_file,dtype_name", GROUPS)
 def test_every_instantiation_compiles_without_spills(arch, dtype_name, source_file):
     kernels = [k for k in _instantiations.all_kernels(arch) if k.dtype_name == dtype_name and k.source_file == source_file]
     assert kernels
@@ -30,6 +36,7 @@ def test_every_instantiation_compiles_without_spills(arch, dtype_name, source_fi
     for r in reports:
         assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0 and r.stack_bytes == 0, r
         assert 0 < r.registers <= 255, r
+        assert not r.wgmma_serialized, r
     for k, r in zip(sorted(kernels, key=lambda k: k.name_expression), sorted(reports, key=lambda r: r.name_expression)):
         large = getattr(k, "large_smem", False)
         limit = _instantiations.SMEM_H100 if large else _instantiations.SMEM_A100
@@ -83,6 +90,42 @@ def test_wrong_backward_shared_memory_size_fails_to_compile(monkeypatch, kernel_
     monkeypatch.setattr(kernel_class, "smem_bytes", property(lambda self: true_bytes - 8))
     with pytest.raises(RuntimeError, match="disagree on shared memory"):
         _compile.compile_offline([kernel], "sm_80")
+
+
+def test_wrong_hopper_shared_memory_size_fails_to_compile(monkeypatch):
+    kernel = _instantiations.fwd_kernel("bfloat16", 100, True, wgmma=True)
+    true_bytes = kernel.smem_bytes
+    monkeypatch.setattr(_instantiations.WgmmaFwdKernel, "smem_bytes", property(lambda self: true_bytes - 1024))
+    with pytest.raises(RuntimeError, match="disagree on shared memory"):
+        _compile.compile_offline([kernel], "sm_90a")
+
+
+# ptxas' log (NVRTC 13.5, sm_90a) for a kernel that scales an accumulator between wgmma and its wait.
+_SERIALIZED_LOG = """\
+ptxas info    : (C7517) wgmma.wait_group is injected in around line 124 by compiler to allow use of registers defined by GMMA in function 'k2'
+ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the wgmma pipeline in the function 'k' in line 158
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'k' for 'sm_90a'
+ptxas info    : Function properties for k
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 58 registers, used 0 barriers
+ptxas info    : Compiling entry function 'k2' for 'sm_90a'
+ptxas info    : Function properties for k2
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers
+ptxas info    : Compiling entry function 'k3' for 'sm_90a'
+ptxas info    : Function properties for k3
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers
+"""
+
+
+def test_ptxas_notes_of_serialized_wgmma_are_reported():
+    kernels = {name: _instantiations.fwd_kernel("bfloat16", d, False, wgmma=True) for name, d in (("k", 64), ("k2", 128))}
+    kernels["k3"] = _instantiations.fwd_kernel("bfloat16", 64, True, wgmma=True)
+    reports = {r.name_expression: r for r in _compile._parse_ptxas_log(_SERIALIZED_LOG, kernels, "sm_90a")}
+    assert [reports[kernels[n].name_expression].wgmma_serialized for n in ("k", "k2", "k3")] == [True, True, False]
+    assert reports[kernels["k"].name_expression].registers == 58
 
 
 @pytest.mark.parametrize("kernel", [
@@ -139,7 +182,7 @@ def test_check_kernels_command(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     # 63 forward, 126 + 2 backward (dense, block-sparse, score modifiers, varlen), 9 + 9 + 1 decoding (plain,
     # softcap/ALiBi, append)
-    assert "210 of 210 kernel builds compiled; 0 spill" in done.stdout
+    assert "210 of 210 kernel builds compiled; 0 spill; 0 wgmma serialized" in done.stdout
     assert "cupyflash::FwdTraits<double, 256" in done.stdout
     assert "cupyflash::BwdDkdvTraits<double, 256" in done.stdout
 

@@ -1,0 +1,168 @@
+"""The Hopper forward kernel (wgmma, sm_90a; kernels/flash_fwd_tc.cu with WgmmaFwdTraits) on an sm_90 GPU: that the
+problems it serves take it once it is switched on, and every variant it has (dense, causal, windows,
+GQA, block-sparse, softcap/ALiBi, dropout, variable-length) against the float64 reference under the
+tolerance rule, on awkward shapes, strided and misaligned inputs. The backward behind it is the
+mma.sync one, fed the Hopper forward's out and lse. Marker `gpu`; skipped on other GPUs.
+
+The whole GPU suite also runs through it with CUPYFLASH_HOPPER_FORWARD=1."""
+
+import numpy
+import pytest
+
+import cupyflash
+from cupyflash import BlockMask, _attention, _instantiations as inst
+from shapes import numpy_dtype, random_qkv
+from test_attention_gpu import assert_matches_reference
+from test_backward_gpu import assert_gradients_match_reference
+from test_tensor_cores_gpu import _forward_backward, check_forward_backward
+
+pytestmark = pytest.mark.gpu
+
+TC_DTYPES = list(inst.TENSOR_CORE_DTYPES)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """The Hopper forward switched on; the forward kernels launched, in order."""
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != str(inst.WGMMA_COMPUTE_CAPABILITY):
+        pytest.skip("the Hopper kernels run on sm_90 devices only")
+    monkeypatch.setattr(inst, "WGMMA_FORWARD_BY_DEFAULT", True)
+    launched = []
+    real = _attention._launch
+
+    def recording(kernel, device_id, grid, params):
+        if "Fwd" in type(kernel).__name__:
+            launched.append(kernel)
+        return real(kernel, device_id, grid, params)
+
+    monkeypatch.setattr(_attention, "_launch", recording)
+    return launched
+
+
+def took_hopper(launched) -> bool:
+    return bool(launched) and all(isinstance(k, inst.WgmmaFwdKernel) for k in launched)
+
+
+@pytest.mark.parametrize("head_dim,hopper_kernel", [(40, True), (64, True), (100, True), (128, True), (160, False)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_16_bit_head_dims_up_to_128_take_it(rng, hopper, dtype, head_dim, hopper_kernel):
+    check_forward_backward(rng, dtype, (1, 70, 90, 2, head_dim), False, False, tensor_cores=None)
+    assert took_hopper(hopper) == (hopper_kernel and dtype != "float32")
+
+
+# Seqlens inside tiles and across several, seqlen_q != seqlen_k both ways, one-row and one-key
+# problems, head dims that are not panel multiples (zero columns inside the last panel).
+SHAPES = [(2, 1, 17, 3, 40), (2, 17, 1, 3, 59), (2, 113, 203, 3, 111), (1, 203, 113, 2, 128),
+          (1, 1023, 1024, 2, 64), (1, 1024, 1023, 2, 100), (2, 128, 256, 2, 128)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_awkward_shapes(rng, hopper, dtype, shape, causal, deterministic):
+    check_forward_backward(rng, dtype, shape, causal, deterministic, tensor_cores=None)
+    assert took_hopper(hopper)
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_long_sequence(rng, hopper, dtype):
+    check_forward_backward(rng, dtype, (1, 2049, 2049, 1, 128), True, False, tensor_cores=None)
+    assert took_hopper(hopper)
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_strided_and_misaligned_inputs(rng, hopper, dtype):
+    import cupy
+
+    dt = numpy_dtype(dtype)
+    # Strided views (heads interleaved with a spare one), and every row 2 bytes off 16-byte
+    # alignment (the element-wise tile loader).
+    wide = cupy.asarray(rng.standard_normal((3, 2, 150, 4, 64)).astype(dt))
+    q, k, v = (wide[i, :, :, ::2, :] for i in range(3))
+    buf = cupy.asarray(rng.standard_normal((3, 1, 300 * 2 * 64 + 1)).astype(dt))
+    qm, km, vm = (buf[i, 0, 1:].reshape(1, 300, 2, 64) for i in range(3))
+    assert not q.flags.c_contiguous and qm.data.ptr % 16 != 0
+    for args in ((q, k, v), (qm, km, vm)):
+        dout = cupy.asarray(rng.standard_normal(args[0].shape).astype(dt))
+        out, lse, grads = _forward_backward(*args, dout, True, False, tensor_cores=True)
+        assert_matches_reference(*args, out, lse, dtype, True)
+        assert_gradients_match_reference(dout, *args, grads, dtype, True)
+    assert took_hopper(hopper)
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_agrees_with_the_mma_sync_kernel(rng, hopper, dtype):
+    """Same inputs through both tensor-core forwards: they differ only by float32 summation order
+    and where P_ij was rounded to 16 bits (their running maxima differ with their key tiles)."""
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 515, 700, 2, 128))
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    assert took_hopper(hopper)
+    inst.WGMMA_FORWARD_BY_DEFAULT = False  # monkeypatch restores it
+    out_mma, lse_mma = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    assert isinstance(hopper[-1], inst.TcFwdKernel)
+    unit = 2.0**-11 if dtype == "float16" else 2.0**-8  # the 16-bit type's half ulp at 1
+    out, out_mma = out.astype(cupy.float32), out_mma.astype(cupy.float32)
+    assert float(cupy.abs(out - out_mma).max()) <= 8 * unit * max(1.0, float(cupy.abs(out_mma).max()))
+    assert float(cupy.abs(lse - lse_mma).max()) <= 1e-5 * max(1.0, float(cupy.abs(lse_mma).max()))
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_windows_and_gqa(rng, nan_outputs, hopper, dtype):
+    from test_variants_gpu import run
+
+    run(rng, dtype, (2, 203, 331, 4, 59), 2, causal=True, window=(64, 33))
+    run(rng, dtype, (1, 331, 113, 6, 128), 1, window=(17, 0), deterministic=True)
+    run(rng, dtype, (1, 700, 700, 2, 64), 2, causal=True, window=(150, None))
+    assert took_hopper(hopper)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_block_sparse(rng, nan_outputs, hopper, dtype, density, causal):
+    from test_block_sparse_gpu import run_block_sparse
+
+    for shape in ((2, 300, 500, 2, 64), (1, 515, 260, 2, 128)):
+        blocks = (2, -(-shape[1] // 128), -(-shape[2] // 128))
+        mask = BlockMask(rng.random(blocks) < density)
+        run_block_sparse(rng, dtype, shape, mask, causal)
+    # Block sizes that are multiples of the tile: 256 x 128 and 128 x 256.
+    for size in ((256, 128), (128, 256)):
+        shape = (1, 600, 700, 2, 128)
+        blocks = (1, -(-600 // size[0]), -(-700 // size[1]))
+        run_block_sparse(rng, dtype, shape, BlockMask(rng.random(blocks) < 0.6, size), causal)
+    assert took_hopper(hopper)
+
+
+@pytest.mark.parametrize("softcap,alibi", [(2.0, None), (None, "heads"), (5.0, "batch")])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_softcap_and_alibi(rng, nan_outputs, hopper, dtype, softcap, alibi):
+    from test_score_mods_gpu import run
+
+    run(rng, dtype, (2, 113, 203, 4, 111), 2, softcap, alibi, causal=True)
+    run(rng, dtype, (1, 203, 300, 2, 64), 2, softcap, alibi, window=(40, 20),
+        block_mask=BlockMask(numpy.array([[[True, False, True], [True, True, False]]])))
+    assert took_hopper(hopper)
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_dropout(rng, nan_outputs, hopper, dtype):
+    from test_dropout_gpu import run
+
+    run(rng, dtype, (2, 113, 203, 2, 100), 2, 0.3, causal=True)
+    run(rng, dtype, (1, 300, 300, 4, 128), 2, 0.1, softcap=3.0, alibi=True, strided=True)
+    assert took_hopper(hopper)
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_varlen(rng, nan_outputs, hopper, dtype):
+    from test_varlen_gpu import run_varlen
+
+    run_varlen(rng, dtype, ([1, 300, 0, 700], [17, 129, 5, 700]), 4, 2, 128, causal=True)
+    run_varlen(rng, dtype, ([129, 64, 5], [300, 64, 0]), 2, 2, 40, window=(33, 10), softcap=4.0, strided=True)
+    assert took_hopper(hopper)
