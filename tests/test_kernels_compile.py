@@ -189,3 +189,14 @@ def test_check_kernels_command(tmp_path):
     bad = subprocess.run(cmd[:4] + ["--arch", "sm_1", "--dtype", "float64"], capture_output=True, text=True,
                          cwd=pathlib.Path(__file__).parents[1])
     assert bad.returncode == 1 and "FAILED to compile" in bad.stdout
+
+
+def test_wgmma_probe_tool_compiles():
+    """benchmarks/wgmma_probe.py, the Hopper products alone (a debugging aid), keeps compiling."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "wgmma_probe.py"
+    spec = importlib.util.spec_from_file_location("wgmma_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.main(["--compile-only", "--head-dim", "64", "--block-n", "128"]) == 0
