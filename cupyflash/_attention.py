@@ -439,20 +439,21 @@ def tensor_cores_for(p: _validation.AttentionProblem, device_id: int) -> bool:
 
 
 def wgmma_for(p: _validation.AttentionProblem, device_id: int) -> bool:
-    """Whether the problem's forward takes the Hopper (wgmma) kernel when it is switched on
-    (`_instantiations.WGMMA_FORWARD_BY_DEFAULT`): 16-bit, head dim padded to 64 or 128, an sm_90 device."""
+    """Whether the problem's forward takes the Hopper (wgmma) kernel: it is switched on
+    (`_instantiations.WGMMA_FORWARD_BY_DEFAULT`), 16-bit, head dim padded to 64 or 128, an sm_90 device."""
     padded = _instantiations.padded_head_dim(p.head_dim)
-    return _instantiations.uses_wgmma(p.dtype_name, padded, _compute_capability(device_id))
+    return _instantiations.WGMMA_FORWARD_BY_DEFAULT and _instantiations.uses_wgmma(
+        p.dtype_name, padded, _compute_capability(device_id))
 
 
 def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None):
     """The traits table's forward kernel: the tensor-core kernel where `tensor_cores_for` allows
-    it, unless tensor_cores=False; among those the Hopper one where `wgmma_for` allows it and it is
-    switched on, or with wgmma=True."""
+    it, unless tensor_cores=False; among those the Hopper one where `wgmma_for` allows it, or with
+    wgmma=True."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
     if wgmma is None:
-        wgmma = tensor_cores and _instantiations.WGMMA_FORWARD_BY_DEFAULT and wgmma_for(p, device_id)
+        wgmma = tensor_cores and wgmma_for(p, device_id)
     return _instantiations.fwd_kernel(
         p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None, p.modified, p.varlen, wgmma
     )
