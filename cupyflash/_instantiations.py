@@ -661,15 +661,31 @@ class TcBwdDqKernel(_TcKernel):
 WGMMA_HEAD_DIMS = (64, 128)
 WGMMA_ARCH = "sm_90a"
 WGMMA_COMPUTE_CAPABILITY = 90
-# Not chosen by attention() unless CUPYFLASH_HOPPER_FORWARD=1 is set until the kernel has passed
-# the GPU suite (it was written in a session with no GPU); tests and benchmarks can pick it
-# explicitly (`wgmma=True`).
-WGMMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_FORWARD", "0") == "1"
+# attention() takes it on sm_90 unless CUPYFLASH_HOPPER_FORWARD=0 is set (then the mma.sync
+# kernel serves, as on other GPUs); tests and benchmarks can pick either explicitly (`wgmma=`).
+WGMMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_FORWARD", "1") != "0"
+
+# Tiles timed by benchmarks/tune_tc.py --forward-only on an H100 (b2 s8192, both dtypes, causal and
+# not; benchmarks/NOTES.md, session 16). d64: one warpgroup of 64 rows, three blocks per SM, whose
+# softmax and wgmma the SM can interleave (383-394 TFLOP/s; two warpgroups of 64 rows in one
+# block, 303-305). d128: two warpgroups, 128 keys per step (430-434; one warpgroup at two blocks
+# per SM, 379-394).
+WGMMA_FWD_TILES = {
+    64: TcTileShape(64, 128, num_warps=4, min_blocks_per_sm=3),
+    128: TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1),
+}
 
 
-def wgmma_fwd_tile_shape(padded_head_dim: int) -> TcTileShape:
-    """Two warpgroups of 64 query rows, 128 keys per step (one m64n128 wgmma per k-step of S)."""
-    return TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1)
+def wgmma_fwd_tile_shape(padded_head_dim: int, block_sparse: bool = False, local: bool = False) -> TcTileShape:
+    """Warpgroups of 64 query rows, 128 keys per step (one m64n128 wgmma per k-step of S).
+    block_sparse: at d64 the non-local block-sparse kernel spills 8 bytes at three blocks per SM
+    (168 registers; NVRTC 13.5, sm_90a), so it runs two: 311 TFLOP/s at density 1 on an H100,
+    where the dense tile gives 374 (benchmarks/tune_sparse.py; (64, 64) keys at two or three per
+    SM gave 305-310)."""
+    tile = WGMMA_FWD_TILES[padded_head_dim]
+    if padded_head_dim == 64 and block_sparse and not local:
+        return dataclasses.replace(tile, min_blocks_per_sm=2)
+    return tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -685,7 +701,7 @@ class WgmmaFwdKernel(_TcKernel):
 
     @property
     def tile(self) -> TcTileShape:
-        return self.tile_override or wgmma_fwd_tile_shape(self.head_dim)
+        return self.tile_override or wgmma_fwd_tile_shape(self.head_dim, self.block_sparse, self.local)
 
     @property
     def smem_bytes(self) -> int:

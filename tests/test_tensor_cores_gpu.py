@@ -41,7 +41,7 @@ def test_16_bit_dtypes_take_the_tensor_core_kernels(rng, launched, dtype):
     cupyflash.attention_backward(out, q, k, v, out, lse, deterministic=True)
     tiled = [type(kn).__name__ for kn in launched if not isinstance(kn, inst.BwdRowKernel)]
     if dtype in TC_DTYPES:
-        # The Hopper forward where it is switched on (CUPYFLASH_HOPPER_FORWARD=1) and the GPU is sm_90.
+        # The Hopper forward on sm_90 unless it is switched off (CUPYFLASH_HOPPER_FORWARD=0).
         hopper = inst.WGMMA_FORWARD_BY_DEFAULT and cupy.cuda.Device().compute_capability == "90"
         forward = "WgmmaFwdKernel" if hopper else "TcFwdKernel"
         assert tiled == [forward, "TcBwdDkdvKernel", "TcBwdDkdvKernel", "TcBwdDqKernel"]

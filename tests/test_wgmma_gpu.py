@@ -4,7 +4,8 @@ GQA, block-sparse, softcap/ALiBi, dropout, variable-length) against the float64 
 tolerance rule, on awkward shapes, strided and misaligned inputs. The backward behind it is the
 mma.sync one, fed the Hopper forward's out and lse. Marker `gpu`; skipped on other GPUs.
 
-The whole GPU suite also runs through it with CUPYFLASH_HOPPER_FORWARD=1."""
+attention() takes it by default on sm_90, so the whole GPU suite runs through it there; the
+fixture switches it on in case CUPYFLASH_HOPPER_FORWARD=0 is set."""
 
 import numpy
 import pytest
