@@ -4,8 +4,8 @@
 
 For head_dim 64 (32 heads) and 128 (16 heads), times the forward kernel and the backward
 (dK/dV kernel with atomic dQ, plus its row kernels; and the deterministic dQ kernel) for each
-candidate tile, median of CUDA-event timings; on an sm_90 GPU the Hopper (wgmma) forward's
-tiles too. Each candidate's results are compared with the
+candidate tile, median of CUDA-event timings; on an sm_90 GPU the Hopper (wgmma) forward's and
+dK/dV kernel's tiles too. Each candidate's results are compared with the
 traits table's first; a candidate the traits reject or whose shared memory does not fit is
 reported with its error's first line; any other exception stops the sweep.
 """
@@ -34,6 +34,12 @@ DKDV = {  # (block_m, block_n, warps, warps_q, do_buffers, out_split, min_blocks
     64: [D(128, 128, 8, 2, 1, 1, 1), D(128, 128, 8, 2, 2, 1, 1), D(64, 128, 8, 2, 2, 1, 1), D(64, 128, 8, 2, 1, 1, 1)],
     128: [D(64, 128, 8, 2, 1, 1, 1), D(64, 128, 8, 2, 2, 1, 1), D(64, 128, 8, 1, 1, 1, 1)],
     256: [D(32, 64, 8, 2, 1, 1, 1), D(32, 64, 8, 2, 2, 1, 1), D(64, 64, 8, 2, 1, 1, 1), D(16, 64, 4, 1, 1, 2, 1)],
+}
+# The Hopper dK/dV kernel (wgmma, sm_90a only): 64 keys per warpgroup, Q_i and dO_i double-buffered.
+# One warpgroup per block at two per SM, as the forward's d64 tile, besides the table's two.
+HOPPER_DKDV = {
+    64: [D(128, 128, 8, 1, 2, 1, 1), D(64, 128, 8, 1, 2, 1, 1), D(64, 64, 4, 1, 2, 1, 2)],
+    128: [D(64, 128, 8, 1, 2, 1, 1), D(64, 64, 4, 1, 2, 1, 2)],
 }
 DQ = {
     64: [B(128, 64, 8, 1, 1), B(64, 64, 4, 1, 1)],
@@ -92,14 +98,19 @@ def main(argv=None):
             continue
         _attention.launch_forward(q, k, v, out, lse, p, tensor_cores=True)
         grads = [cupy.empty_like(x) for x in (q, k, v)]
-        for det, table in ((False, DKDV), (True, DQ)):
+        sweeps = [(False, inst.TcBwdDkdvKernel, "bwd", DKDV[d])]
+        if hopper and d in HOPPER_DKDV:
+            sweeps.append((False, inst.WgmmaBwdDkdvKernel, "bwd wgmma", HOPPER_DKDV[d]))
+        sweeps.append((True, inst.TcBwdDqKernel, "bwd det", DQ[d]))
+        first = None
+        for det, kind, name, tiles in sweeps:
             pb = _validation.check_backward_args(dout, q, k, v, out, lse, causal=args.causal, scale=None, deterministic=det)
-            first = None
-            for tile in table[d]:
+            first = None if det else first  # the atomic-dQ sweeps compare with the table's first tile
+            for tile in tiles:
                 default = inst.bwd_kernels(p.dtype_name, d, p.causal, True)
-                kernels = (inst.TcBwdDkdvKernel(p.dtype_name, d, p.causal, tile), default[1]) if not det else (
-                    default[0], inst.TcBwdDqKernel(p.dtype_name, d, p.causal, tile))
-                label = f"bwd{' det' if det else ''} d{d} {tuple(tile.__dict__.values())}"
+                kernels = (default[0], kind(p.dtype_name, d, p.causal, tile)) if det else (
+                    kind(p.dtype_name, d, p.causal, tile), default[1])
+                label = f"{name} d{d} {tuple(tile.__dict__.values())}"
                 try:
                     _attention.launch_backward(dout, q, k, v, out, lse, *grads, pb, True, kernels)
                 except (CompileException, ValueError) as e:

@@ -438,12 +438,17 @@ def tensor_cores_for(p: _validation.AttentionProblem, device_id: int) -> bool:
     return _instantiations.uses_tensor_cores(p.dtype_name, _compute_capability(device_id))
 
 
+def _uses_wgmma(p: _validation.AttentionProblem, device_id: int) -> bool:
+    """Whether the Hopper (wgmma) kernels can serve the problem: 16-bit, head dim padded to 64 or
+    128, an sm_90 device."""
+    padded = _instantiations.padded_head_dim(p.head_dim)
+    return _instantiations.uses_wgmma(p.dtype_name, padded, _compute_capability(device_id))
+
+
 def wgmma_for(p: _validation.AttentionProblem, device_id: int) -> bool:
     """Whether the problem's forward takes the Hopper (wgmma) kernel: it is switched on
-    (`_instantiations.WGMMA_FORWARD_BY_DEFAULT`), 16-bit, head dim padded to 64 or 128, an sm_90 device."""
-    padded = _instantiations.padded_head_dim(p.head_dim)
-    return _instantiations.WGMMA_FORWARD_BY_DEFAULT and _instantiations.uses_wgmma(
-        p.dtype_name, padded, _compute_capability(device_id))
+    (`_instantiations.WGMMA_FORWARD_BY_DEFAULT`) and `_uses_wgmma`."""
+    return _instantiations.WGMMA_FORWARD_BY_DEFAULT and _uses_wgmma(p, device_id)
 
 
 def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None):
@@ -758,22 +763,26 @@ def _backward_gpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
     return dq, dk, dv
 
 
-def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cores=None) -> tuple:
-    """The traits table's (dK/dV kernel, deterministic dQ kernel) for the problem on this device."""
+def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None) -> tuple:
+    """The traits table's (dK/dV kernel, deterministic dQ kernel) for the problem on this device:
+    the Hopper dK/dV kernel where `wgmma_for` allows it and it is switched on
+    (`_instantiations.WGMMA_BACKWARD_BY_DEFAULT`), or with wgmma=True."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
+    if wgmma is None:
+        wgmma = tensor_cores and _instantiations.WGMMA_BACKWARD_BY_DEFAULT and _uses_wgmma(p, device_id)
     return _instantiations.bwd_kernels(
         p.dtype_name, p.head_dim, p.local, tensor_cores, large_shared_memory(device_id), p.block_mask is not None,
-        p.modified, p.varlen,
+        p.modified, p.varlen, wgmma,
     )
 
 
 def launch_backward(
-    dout, q, k, v, out, lse, dq, dk, dv, p: _validation.AttentionProblem, tensor_cores=None, kernels=None
+    dout, q, k, v, out, lse, dq, dk, dv, p: _validation.AttentionProblem, tensor_cores=None, kernels=None, wgmma=None
 ) -> None:
     """Launches the backward kernels on CuPy's current stream, writing dq, dk, dv (any strides,
-    head_dim contiguous); arrays must already be validated. tensor_cores as in `launch_forward`;
-    `kernels` (dK/dV kernel, dQ kernel) overrides the traits table's pair (for tuning)."""
+    head_dim contiguous); arrays must already be validated. tensor_cores and wgmma as in
+    `backward_kernels`; `kernels` (dK/dV kernel, dQ kernel) overrides the traits table's pair (for tuning)."""
     import cupy
 
     if p.batch == 0 or p.heads == 0:  # nothing to launch over
@@ -804,7 +813,7 @@ def launch_backward(
         if grid[0] > 0:  # seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do
             _launch(kernel, device_id, grid, params)
 
-    dkdv_kernel, dq_kernel = kernels or backward_kernels(p, device_id, tensor_cores)
+    dkdv_kernel, dq_kernel = kernels or backward_kernels(p, device_id, tensor_cores, wgmma)
     launch(_instantiations.BwdRowKernel("preprocess", p.dtype_name))
     launch(dkdv_kernel)
     launch(dq_kernel if p.deterministic else _instantiations.BwdRowKernel("convert_dq", p.dtype_name))

@@ -376,15 +376,21 @@ BWD_ROW_STEPS = ("preprocess", "convert_dq")
 
 def bwd_kernels(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, large_smem: bool = False,
-    block_sparse: bool = False, score_mod: bool = False, varlen: bool = False,
+    block_sparse: bool = False, score_mod: bool = False, varlen: bool = False, wgmma: bool = False,
 ):
     """(dK/dV kernel, deterministic dQ kernel) for a problem; with tensor_cores (16-bit dtypes
     only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels, its dK/dV tile for
-    an H100's shared memory with large_smem (`tc_dkdv_tile_shape`); block_sparse, score_mod and
-    varlen as `fwd_kernel`."""
-    _check_tensor_core_dtype(dtype_name, tensor_cores)
+    an H100's shared memory with large_smem (`tc_dkdv_tile_shape`); with wgmma too the Hopper
+    dK/dV kernel (head dims padded to WGMMA_HEAD_DIMS) beside the mma.sync dQ kernel;
+    block_sparse, score_mod and varlen as `fwd_kernel`."""
+    _check_tensor_core_dtype(dtype_name, tensor_cores or wgmma)
     d = padded_head_dim(head_dim)
+    if wgmma and d not in WGMMA_HEAD_DIMS:
+        raise ValueError(f"the Hopper backward kernel takes head dims padded to {WGMMA_HEAD_DIMS}, not {head_dim}")
     local, sparse, mod, var = _variant_flags(local, block_sparse, score_mod, varlen)
+    if wgmma:
+        return (WgmmaBwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var),
+                TcBwdDqKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var))
     if tensor_cores and var and d == 224:
         d = 256  # see tc_dkdv_tile_shape
     if tensor_cores:
@@ -412,7 +418,8 @@ def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
                         *bwd_kernels(dtype_name, d, local, True, block_sparse=True, score_mod=mod)]
             kernels += [bwd_kernels(dtype_name, d, local, True, large_smem=True, block_sparse=True, score_mod=mod)[0]]
             if d in WGMMA_HEAD_DIMS:
-                kernels += [fwd_kernel(dtype_name, d, local, True, True, mod, wgmma=True)]
+                kernels += [fwd_kernel(dtype_name, d, local, True, True, mod, wgmma=True),
+                            bwd_kernels(dtype_name, d, local, True, block_sparse=True, score_mod=mod, wgmma=True)[0]]
     return max(k.tile.block_m for k in kernels), max(k.tile.block_n for k in kernels)
 
 
@@ -714,6 +721,42 @@ class WgmmaFwdKernel(_TcKernel):
         return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)
 
 
+# The dK/dV kernel on wgmma (flash_bwd_tc.cu with WgmmaBwdDkdvTraits): 64 keys per warpgroup,
+# two warpgroups; the deterministic dQ kernel stays mma.sync. Written without a GPU (session 16):
+# attention_backward() takes it only with CUPYFLASH_HOPPER_BACKWARD=1 until it has passed the GPU
+# suite; tests and benchmarks can pick it explicitly (`wgmma=True`).
+WGMMA_BACKWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_BACKWARD", "0") == "1"
+
+
+def wgmma_dkdv_tile_shape(padded_head_dim: int, score_mod: bool = False) -> TcDkdvTileShape:
+    """128 keys per block (two warpgroups); queries per step: 128 at d64 (S^T and dP^T 64 registers
+    each beside dK_j, dV_j's 64), 64 at d128 (dK_j, dV_j take 128). score_mod: 64 at d64 too."""
+    block_m = 128 if padded_head_dim == 64 and not score_mod else 64
+    return TcDkdvTileShape(block_m, 128, num_warps=8, warps_q=1, do_buffers=2, out_split=1, min_blocks_per_sm=1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
+    """kernels/flash_bwd_tc.cu's flash_bwd_dkdv_tc_kernel with the Hopper traits (wgmma products;
+    sm_90a): one block per key block."""
+
+    traits_name = "WgmmaBwdDkdvTraits"
+    arch = WGMMA_ARCH
+    compile_options = (f"--gpu-architecture={WGMMA_ARCH}",)
+
+    @property
+    def tile(self) -> TcDkdvTileShape:
+        return self.tile_override or wgmma_dkdv_tile_shape(self.head_dim, self.score_mod)
+
+    @property
+    def smem_bytes(self) -> int:
+        # Mirrors WgmmaBwdDkdvTraits::kSmemBytes: K_j, V_j, 2 x Q_i, 2 x dO_i, dS^T unpadded,
+        # 2 x (lse_i, D_i), and a swizzle period to align the tiles' base.
+        t = self.tile
+        tiles = (2 * t.block_n + 4 * t.block_m) * self.head_dim * 2 + t.block_n * t.block_m * 2
+        return tiles + 2 * 2 * t.block_m * 4 + 1024
+
+
 def uses_wgmma(dtype_name: str, padded_head_dim: int, compute_capability: int) -> bool:
     """Whether the Hopper forward kernel can serve a problem on a device of this compute capability."""
     return (dtype_name in TENSOR_CORE_DTYPES and padded_head_dim in WGMMA_HEAD_DIMS
@@ -722,7 +765,8 @@ def uses_wgmma(dtype_name: str, padded_head_dim: int, compute_capability: int) -
 
 def all_wgmma_kernels() -> list:
     return [
-        WgmmaFwdKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var)
+        kind(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var)
+        for kind in (WgmmaFwdKernel, WgmmaBwdDkdvKernel)
         for dtype_name in TENSOR_CORE_DTYPES
         for d in WGMMA_HEAD_DIMS
         for local, sparse, mod, var in _variants()

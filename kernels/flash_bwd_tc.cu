@@ -11,7 +11,7 @@
 //   flash_bwd_dq_tc_kernel (deterministic mode): one block per query block, recomputes P_ij and
 //     dP_ij and sums dQ_i over the key blocks in a fixed order, with no atomics.
 #include "flash_bwd.cuh"
-#include "flash_tc.cuh"
+#include "flash_wgmma.cuh"
 
 namespace cupyflash {
 
@@ -56,6 +56,28 @@ __device__ __forceinline__ void mma_other_queries(float (&C)[Bt::kMTiles][kNTile
     }
 }
 
+// Hopper (WgmmaBwdDkdvTraits): dQ_i += scale · dS_ij K_j as 64 x 64 shares, warpgroup w taking
+// shares w, w + kWarpgroups, ...: share s covers queries 64·(s / kPanels).. and head-dim panel
+// s % kPanels, dS from dS^T's panel and K_j's panel (both read MN-major), over all kBlockN keys.
+template <typename Bt, bool kRescale>
+__device__ __forceinline__ void add_dq_shares_wgmma(const BwdParams& params, unsigned sdSt, unsigned sK, int q_row0,
+                                                    int batch_idx, int head_idx, int warp, int lane) {
+    const long long dq_row_stride = static_cast<long long>(params.heads) * params.head_dim;
+    const float scale = static_cast<float>(kRescale ? params.scale * params.dropout_rescale : params.scale);
+#pragma unroll 1
+    for (int share = warp / 4; share < Bt::kDqShares; share += Bt::kWarpgroups) {
+        const int query_panel = share / Bt::kPanels, col_panel = share % Bt::kPanels;
+        float dQ[1][kPanelColumns / 8][4];
+        wgmma_atb<Bt, Bt::kBlockN>(dQ[0], sdSt + query_panel * Bt::row_bytes(Bt::kBlockN),
+                                   sK + col_panel * Bt::row_bytes(Bt::kBlockN));
+        const int dq_row0 = q_row0 + 64 * query_panel + 16 * (warp % 4), dq_col0 = col_panel * kPanelColumns;
+        float* dq_accum = static_cast<float*>(params.dq_accum) + dq_accum_offset(params, batch_idx, dq_row0, head_idx) +
+                          dq_col0;
+        atomic_add_fragments(dq_accum, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0,
+                             dQ, scale, Fragment(lane));
+    }
+}
+
 // dQ_i += scale · dS_ij K_j (atomic mode; kRescale: times dropout's 1 / (1 - p)) from dS^T in
 // shared memory: this warp's share of the
 // kBlockM x kHeadDimOut tile (TcBwdDkdvTraits::kDqWarpsM x kDqWarpsN), added to the float32
@@ -64,6 +86,10 @@ __device__ __forceinline__ void mma_other_queries(float (&C)[Bt::kMTiles][kNTile
 template <typename Bt, bool kRescale = false>
 __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned sdSt, unsigned sK, int q_row0,
                                              int col_out0, int batch_idx, int head_idx, int warp, int lane) {
+    if constexpr (Bt::kWgmma) {
+        add_dq_shares_wgmma<Bt, kRescale>(params, sdSt, sK, q_row0, batch_idx, head_idx, warp, lane);
+        return;
+    }
     const int wm = warp % Bt::kDqWarpsM, wn = warp / Bt::kDqWarpsM;
     if (wn >= Bt::kDqWarpsN) return;
     const int dq_row0 = q_row0 + wm * Bt::kDqMTiles * 16, dq_col0 = col_out0 + wn * Bt::kDqCols;
@@ -98,13 +124,16 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     using Op = typename Bt::Op;
     constexpr int kStride = Bt::kStride, kPStride = Bt::kPStride;
     extern __shared__ __align__(16) unsigned char smem[];
-    const unsigned sK = smem_address(smem) + Bt::kSmemKOffset * 2;     // K_j [kBlockN][kStride]
-    const unsigned sV = smem_address(smem) + Bt::kSmemVOffset * 2;     // V_j [kBlockN][kStride]
-    const unsigned sQ = smem_address(smem) + Bt::kSmemQOffset * 2;     // Q_i [2][kBlockM][kStride]
-    const unsigned sdO = smem_address(smem) + Bt::kSmemDoOffset * 2;   // dO_i [kBlockM][kStride]
-    const unsigned sPt = smem_address(smem) + Bt::kSmemPOffset * 2;    // P_ij^T [kBlockN][kPStride]
-    const unsigned sdSt = smem_address(smem) + Bt::kSmemDsOffset * 2;  // dS_ij^T [kBlockN][kPStride]
-    float* sLse2 = reinterpret_cast<float*>(smem + Bt::kSmemRowStatsOffset);  // [2][kBlockM]
+    // (The tiles' base: the block's shared memory, or on Hopper the first swizzle period in it.)
+    const unsigned tiles = Bt::tile_base(smem_address(smem));
+    unsigned char* const smem_tiles = smem + (tiles - smem_address(smem));
+    const unsigned sK = tiles + Bt::kSmemKOffset * 2;     // K_j [kBlockN][kStride] (Hopper: swizzled panels)
+    const unsigned sV = tiles + Bt::kSmemVOffset * 2;     // V_j [kBlockN][kStride]
+    const unsigned sQ = tiles + Bt::kSmemQOffset * 2;     // Q_i [2][kBlockM][kStride]
+    const unsigned sdO = tiles + Bt::kSmemDoOffset * 2;   // dO_i [kBlockM][kStride]
+    const unsigned sPt = tiles + Bt::kSmemPOffset * 2;    // P_ij^T [kBlockN][kPStride] (Hopper: none)
+    const unsigned sdSt = tiles + Bt::kSmemDsOffset * 2;  // dS_ij^T [kBlockN][kPStride]
+    float* sLse2 = reinterpret_cast<float*>(smem_tiles + Bt::kSmemRowStatsOffset);  // [2][kBlockM]
     float* sD = sLse2 + 2 * Bt::kBlockM;                                      // [2][kBlockM]
 
     const int n_block = blockIdx.x / Bt::kOutSplit;
@@ -163,27 +192,30 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             const int q_row0 = query_blocks[t] * Bt::kBlockM;
             const bool has_next = step + 1 < m_blocks;
             const int next_row0 = query_blocks[after(t)] * Bt::kBlockM;
-            const unsigned sQ_i = sQ + buf * Bt::kBlockM * kStride * 2;
+            const unsigned sQ_i = sQ + buf * Bt::kQueryTileBytes;
             const float* sLse2_i = sLse2 + buf * Bt::kBlockM;
             const float* sD_i = sD + buf * Bt::kBlockM;
-            cp_async_wait<0>();
-            __syncthreads();  // Q_i, dO_i have landed; every warp is done with the last step's tiles
-            const unsigned sdO_i = sdO + (Bt::kDoBuffers == 2 ? buf : 0) * Bt::kBlockM * kStride * 2;
+            tiles_landed<Bt>();  // Q_i, dO_i have landed; every warp is done with the last step's tiles
+            const unsigned sdO_i = sdO + (Bt::kDoBuffers == 2 ? buf : 0) * Bt::kQueryTileBytes;
             if (has_next) {
-                load_query_block<Bt>(params, sQ + (1 - buf) * Bt::kBlockM * kStride * 2,
+                load_query_block<Bt>(params, sQ + (1 - buf) * Bt::kQueryTileBytes,
                                      sLse2 + (1 - buf) * Bt::kBlockM, sD + (1 - buf) * Bt::kBlockM, q_batch,
                                      head_idx, next_row0);
                 if (Bt::kDoBuffers == 2)
-                    load_dout_block<Bt>(params, sdO + (1 - buf) * Bt::kBlockM * kStride * 2, q_batch, head_idx,
+                    load_dout_block<Bt>(params, sdO + (1 - buf) * Bt::kQueryTileBytes, q_batch, head_idx,
                                         next_row0);
             }
             cp_async_commit();
 
             // S_ij^T = K_j Q_i^T, masked, then P_ij^T = exp2(S^T·scale·log2(e) - lse_i·log2(e)).
             float St[Bt::kMTiles][Bt::kNTiles][4];
-            zero(St);
-            gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
-                St, sK_warp, sQ_i + warp_queries * kStride * 2, lane);
+            if constexpr (Bt::kWgmma) {  // this warpgroup's 64 keys against all of Q_i
+                wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN>(St[0], sK + Bt::row_bytes(64 * (warp / 4)), sQ_i);
+            } else {
+                zero(St);
+                gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
+                    St, sK_warp, sQ_i + warp_queries * kStride * 2, lane);
+            }
             if (keys_valid < Bt::kBlockN ||
                 (kIsLocal && band_cuts(params, q_row0, min(Bt::kBlockM, params.seqlen_q - q_row0), key0, keys_valid)))
                 mask_fragments<kIsLocal, true>(St, key0 + warp_keys, q_row0 + warp_queries, params, f);
@@ -247,14 +279,21 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4];
             to_a_fragments<Op>(St, Pt);
             if (Bt::kWarpsQ > 1) store_a_fragments<kPStride>(sPt_warp + warp_queries * 2, Pt, f);
-            gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
-                dV, Pt, sdO_i + (warp_queries * kStride + warp_cols) * 2, lane);
+            if constexpr (Bt::kWgmma)
+                wgmma_ab_rs<Bt, Bt::kBlockM>(dV[0], Pt[0], sdO_i);
+            else
+                gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
+                    dV, Pt, sdO_i + (warp_queries * kStride + warp_cols) * 2, lane);
 
             // dP_ij^T = V_j dO_i^T, then dS_ij^T = P^T ∘ (dP^T - D_i) in place.
             float dPt[Bt::kMTiles][Bt::kNTiles][4];
-            zero(dPt);
-            gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
-                dPt, sV_warp, sdO_i + warp_queries * kStride * 2, lane);
+            if constexpr (Bt::kWgmma) {
+                wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN>(dPt[0], sV + Bt::row_bytes(64 * (warp / 4)), sdO_i);
+            } else {
+                zero(dPt);
+                gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
+                    dPt, sV_warp, sdO_i + warp_queries * kStride * 2, lane);
+            }
 #pragma unroll
             for (int nt = 0; nt < Bt::kNTiles; ++nt) {
                 const float2 d_i = *reinterpret_cast<const float2*>(sD_i + warp_queries + f.col(nt, 0));
@@ -277,9 +316,14 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             // dK_j += dS^T Q_i over this warp's queries; dS^T also goes to shared memory for dQ_i.
             unsigned dSt[Bt::kMTiles][Bt::kNTiles / 2][4];
             to_a_fragments<Op>(dPt, dSt);
-            store_a_fragments<kPStride>(sdSt_warp + warp_queries * 2, dSt, f);
-            gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
-                dK, dSt, sQ_i + (warp_queries * kStride + warp_cols) * 2, lane);
+            if constexpr (Bt::kWgmma) {
+                store_a_fragments_swizzled<Bt, Bt::kBlockN>(sdSt, dSt[0], warp_keys, f);
+                wgmma_ab_rs<Bt, Bt::kBlockM>(dK[0], dSt[0], sQ_i);
+            } else {
+                store_a_fragments<kPStride>(sdSt_warp + warp_queries * 2, dSt, f);
+                gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
+                    dK, dSt, sQ_i + (warp_queries * kStride + warp_cols) * 2, lane);
+            }
             __syncthreads();  // P^T and dS^T are complete
 
             // dV_j over the other warps' queries; a single dO buffer is then reloaded.

@@ -4,71 +4,16 @@
 //   - S_ij = Q_i K_j^T and O_i += P_ij V_j are tensor-core products: on sm_80 and newer,
 //     warp-level mma.sync on ldmatrix'd fragments of padded tiles; on Hopper (sm_90a,
 //     WgmmaFwdTraits), warpgroup-level wgmma reading swizzled tiles through descriptors, 64 query
-//     rows per warpgroup (scores_wgmma, accumulate_wgmma);
+//     rows per warpgroup (flash_wgmma.cuh);
 //   - P_ij never leaves registers: its accumulator tile is rounded to 16 bits and used directly as
 //     the A operand of P V (so P is rounded to the input type, as in every fused 16-bit kernel);
 //   - K_j and V_j stream in through cp.async, each loaded while the other is being used;
 //   - scores stay unscaled in the products; scale·log2(e) is folded into exp2's argument.
 // Either way a warp holds whole rows of S_ij and O_i in mma.sync's fragment layout, so the online
 // softmax, masks, score modifiers, dropout and epilogue are one code.
-#include "flash_tc.cuh"
-#include "wgmma.cuh"
+#include "flash_wgmma.cuh"
 
 namespace cupyflash {
-
-// The two products of a step on Hopper: a warpgroup multiplies its 64 rows, each product issued and
-// then waited for. Q_i and K_j are K-major operands (head dim contiguous); V_j an MN-major one (B =
-// V_j, [keys][head dim], read transposed). S and O are the calling warp's tiles, as with mma.sync.
-
-// S_ij = Q_i K_j^T: kHeadDim / 16 k-steps of an m64 n(kBlockN) k16 product. Step ks reads columns
-// 16·ks.. of both tiles: panel ks / 4, 32 bytes into its (swizzled) rows; the first step overwrites S.
-template <typename Kt>
-__device__ __forceinline__ void scores_wgmma(float (&S)[1][Kt::kNTiles][4], unsigned sQ, unsigned sK, int warp) {
-    const unsigned long long q_desc = smem_descriptor(sQ + Kt::row_bytes(64 * (warp / 4)), 16, kSwizzleAtomBytes);
-    const unsigned long long k_desc = smem_descriptor(sK, 16, kSwizzleAtomBytes);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < Kt::kKSteps; ++ks) {
-        const unsigned panel = ks / Kt::kKStepsPerPanel, step_bytes = ks % Kt::kKStepsPerPanel * 32;
-        Wgmma<typename Kt::Element>::template ss<Kt::kBlockN>(
-            S[0], descriptor_at(q_desc, panel * Kt::row_bytes(Kt::kBlockM) + step_bytes),
-            descriptor_at(k_desc, panel * Kt::row_bytes(Kt::kBlockN) + step_bytes), ks > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(S[0]);
-}
-
-// O_i += P_ij V_j: kBlockN / 16 k-steps of 16 keys, each an m64 n64 k16 product per 64-column panel
-// of V_j (16 keys of a panel: 16 rows of 128 bytes).
-template <typename Kt>
-__device__ __forceinline__ void accumulate_wgmma(float (&O)[1][Kt::kHeadDim / 8][4], unsigned (&P)[1][Kt::kNTiles / 2][4],
-                                                 unsigned sV) {
-    const unsigned long long v_desc = smem_descriptor(sV, Kt::row_bytes(Kt::kBlockN), kSwizzleAtomBytes);
-    fence_operands(O[0]);  // O_i's rescale and P_ij are written before the fence
-    fence_operands(P[0]);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < Kt::kNTiles / 2; ++ks)
-        static_for<0, Kt::kPanels>([&](auto panel) {
-            constexpr int kPanel = decltype(panel)::value;
-            Wgmma<typename Kt::Element>::template rs<kPanelColumns, kPanel * kPanelColumns / 8>(
-                O[0], P[0][ks], descriptor_at(v_desc, kPanel * Kt::row_bytes(Kt::kBlockN) + Kt::row_bytes(16 * ks)), 1);
-        });
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(O[0]);
-}
-
-// Waits for this thread's tile copies and publishes them to the block: behind the barrier every
-// thread's copies have landed (and every warp is done with the tiles read before it). Tiles
-// wgmma reads pass from the threads' (generic) view to the tensor cores' (async proxy) view first.
-template <typename Kt>
-__device__ __forceinline__ void tiles_landed() {
-    cp_async_wait<0>();
-    if constexpr (Kt::kWgmma) fence_proxy_async();
-    __syncthreads();
-}
 
 // Grid: (ceil(seqlen_q / kBlockM), heads, batch). Block: Kt::kNThreads. Shared memory: Kt::kSmemBytes.
 // kScoreMod: softcap and ALiBi (ScoreMod) on every score, dropout (Dropout) on the probabilities;
@@ -145,7 +90,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         // (The mma.sync products stay written out here: called through a wrapper, NVRTC scheduled
         // 35 of the 63 16-bit kernels differently.)
         if constexpr (Kt::kWgmma) {
-            scores_wgmma<Kt>(S, sQ, sK, warp);
+            // This warpgroup's 64 rows of Q_i against all of K_j.
+            wgmma_abt<Kt, Kt::kBlockN, Kt::kBlockM>(S[0], sQ + Kt::row_bytes(64 * (warp / 4)), sK);
         } else {
             zero(S);
             gemm_abt_ss<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride, Kt::kStride>(
@@ -178,7 +124,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         }
         cp_async_commit();
         if constexpr (Kt::kWgmma)
-            accumulate_wgmma<Kt>(O, P, sV);
+            wgmma_ab_rs<Kt, Kt::kBlockN>(O[0], P[0], sV);
         else
             gemm_ab_rs<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles / 2, Kt::kStride>(O, P, sV, lane);
     }

@@ -193,6 +193,9 @@ struct TcBwdDkdvTraits : TcTileLayout<Element_, kHeadDim_, kNWarps_> {
     static constexpr int kSmemDsOffset = kSmemPOffset + kBlockN * kPStride;
     static constexpr int kSmemRowStatsOffset = (kSmemDsOffset + kBlockN * kPStride) * 2;  // bytes
     static constexpr int kSmemBytes = kSmemRowStatsOffset + 2 * 2 * kBlockM * 4;
+    static constexpr int kQueryTileBytes = kBlockM * Base::kStride * 2;  // one buffer of Q_i or dO_i
+    static constexpr bool kWgmma = false;  // mma.sync products (WgmmaBwdDkdvTraits: wgmma)
+    static __device__ __forceinline__ unsigned tile_base(unsigned smem) { return smem; }
 
     static_assert(kDoBuffers == 1 || kDoBuffers == 2, "dO_i is single- or double-buffered");
     static_assert(kNWarps_ % kWarpsQ == 0, "the warps form a kWarpsK x kWarpsQ grid");
@@ -201,6 +204,55 @@ struct TcBwdDkdvTraits : TcTileLayout<Element_, kHeadDim_, kNWarps_> {
     static_assert(kHeadDim_ % (16 * kOutSplit * kWarpsQ) == 0, "each warp's columns are whole n16 pairs");
     static_assert(kBlockM % (16 * kDqWarpsM) == 0, "warps must tile dQ_i's rows in m16 tiles");
     static_assert(kSmemRowStatsOffset % 16 == 0, "row statistics start 16-byte aligned");
+};
+
+// Backward dK/dV on Hopper (wgmma, sm_90a; flash_bwd_tc.cu's dK/dV kernel with these traits): 64
+// keys per warpgroup, each of its warps 16 of them (a kWarpsK x 1 grid of TcBwdDkdvTraits). A
+// warpgroup forms S^T and dP^T for its keys and every query of the step as wgmma products, so its
+// P^T and dS^T feed dV_j += P^T dO_i and dK_j += dS^T Q_i whole from registers (no exchange
+// between warps); dS^T also goes to shared memory, where dQ_i += dS_ij K_j (atomic mode) reads it
+// as 64 x 64 shares, one warpgroup each. K_j, V_j, Q_i, dO_i and dS^T are swizzled panels; Q_i and
+// dO_i are double-buffered. The shared memory includes a swizzle period's slack to round the
+// tiles' base up to one.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsQ_, int kDoBuffers_,
+          int kOutSplit_, int kMinBlocksPerSm_>
+struct WgmmaBwdDkdvTraits
+    : TcBwdDkdvTraits<Element_, kHeadDim_, kBlockM_, kBlockN_, kNWarps_, kWarpsQ_, kDoBuffers_, kOutSplit_, kMinBlocksPerSm_>,
+      SwizzledTileLayout {
+    using Base = TcBwdDkdvTraits<Element_, kHeadDim_, kBlockM_, kBlockN_, kNWarps_, kWarpsQ_, kDoBuffers_, kOutSplit_,
+                                 kMinBlocksPerSm_>;
+    using SwizzledTileLayout::kRowPeriod;
+    using SwizzledTileLayout::row_bytes;
+    using SwizzledTileLayout::tile_offset;
+    static constexpr int kWarpgroups = kNWarps_ / 4;
+    static constexpr int kPanels = kHeadDim_ / kPanelColumns;
+    static constexpr int kKStepsPerPanel = kPanelColumns / 16;
+    // dQ_i's 64 x 64 shares: (queries / 64) x (head dim / 64), dealt out to the warpgroups in turn.
+    static constexpr int kDqShares = kBlockM_ / 64 * kPanels;
+
+    static constexpr bool kWgmma = true;
+    static constexpr int kQueryTileBytes = kBlockM_ * kHeadDim_ * 2;
+    // Storage elements from the aligned base: K_j, V_j, two buffers each of Q_i and dO_i, dS^T
+    // ([queries / 64][keys][64]; P^T stays in registers), then float lse_i·log2(e) and D_i, two
+    // buffers each.
+    static constexpr int kSmemKOffset = 0;
+    static constexpr int kSmemVOffset = kSmemKOffset + kBlockN_ * kHeadDim_;
+    static constexpr int kSmemQOffset = kSmemVOffset + kBlockN_ * kHeadDim_;
+    static constexpr int kSmemDoOffset = kSmemQOffset + 2 * kBlockM_ * kHeadDim_;
+    static constexpr int kSmemPOffset = kSmemDoOffset + 2 * kBlockM_ * kHeadDim_;  // no P^T tile
+    static constexpr int kSmemDsOffset = kSmemPOffset;
+    static constexpr int kSmemRowStatsOffset = (kSmemDsOffset + kBlockN_ * kBlockM_) * 2;  // bytes
+    static constexpr int kSmemBytes = kSmemRowStatsOffset + 2 * 2 * kBlockM_ * 4 + kSwizzleAtomBytes;
+    static __device__ __forceinline__ unsigned tile_base(unsigned smem) {
+        return (smem + kSwizzleAtomBytes - 1) & ~static_cast<unsigned>(kSwizzleAtomBytes - 1);
+    }
+
+    static_assert(kWarpsQ_ == 1 && kOutSplit_ == 1, "a warp owns whole rows of S^T, dK_j and dV_j");
+    static_assert(kDoBuffers_ == 2, "dO_i is double-buffered");
+    static_assert(kNWarps_ % 4 == 0 && kBlockN_ == 64 * kWarpgroups, "64 keys per warpgroup");
+    static_assert(Base::kMTiles == 1, "a warp holds 16 keys of its warpgroup's product");
+    static_assert(kBlockM_ == 64 || kBlockM_ == 128, "S^T is one wgmma wide (widths 64, 128)");
+    static_assert(kHeadDim_ % kPanelColumns == 0, "the head dim is whole 64-column panels");
 };
 
 // Backward dQ (deterministic mode): one block per (query block, output column slice, head, batch),

@@ -93,12 +93,13 @@ __device__ __forceinline__ void static_for(F&& f) {
     "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
 // Wgmma<Element>::ss<N, kFirst>: D (+)= A B for a 64 x 16 A and a 16 x N B, both K-major in shared
-// memory (A [m][k], B as [n][k]: S = Q K^T), D the n8 tiles kFirst.. of d. rs<N, kFirst>: A from
+// memory (A [m][k], B as [n][k]: S = Q K^T), D the n8 tiles kFirst.. of d; kTransposeA/B: that
+// operand MN-major instead (A as [k][m], B as [k][n]: dQ = dS K from dS^T and K). rs<N, kFirst>: A from
 // registers (a, mma.sync's A fragment of the warp's 16 rows), B MN-major in shared memory ([k][n],
 // n contiguous: O += P V). accumulate = 0 overwrites D (a product's first k-step), 1 adds to it.
 #define CUPYFLASH_WGMMA(ELEMENT, TYPE)                                                                           \
     template <> struct Wgmma<ELEMENT> {                                                                        \
-        template <int N, int kFirst = 0, int kTiles>                                                           \
+        template <int N, int kFirst = 0, bool kTransposeA = false, bool kTransposeB = false, int kTiles>       \
         static __device__ __forceinline__ void ss(float (&d)[kTiles][4], unsigned long long a_desc,           \
                                                   unsigned long long b_desc, int accumulate) {                 \
             static_assert(N == 64 || N == 128, "wgmma widths instantiated: 64, 128");                          \
@@ -106,15 +107,17 @@ __device__ __forceinline__ void static_for(F&& f) {
             if constexpr (N == 64) {                                                                           \
                 asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                                    \
                              " wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                      \
-                             " {" CUPYFLASH_REGS_0_31 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                       \
+                             " {" CUPYFLASH_REGS_0_31 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"                   \
                              : CUPYFLASH_ACC32(0)                                                              \
-                             : "l"(a_desc), "l"(b_desc), "r"(accumulate));                                     \
+                             : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(int(kTransposeA)),              \
+                               "n"(int(kTransposeB)));                                                         \
             } else {                                                                                           \
                 asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                    \
                              " wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                     \
-                             " {" CUPYFLASH_REGS_0_31 ", " CUPYFLASH_REGS_32_63 "}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+                             " {" CUPYFLASH_REGS_0_31 ", " CUPYFLASH_REGS_32_63 "}, %64, %65, p, 1, 1, %67, %68;\n}\n" \
                              : CUPYFLASH_ACC32(0), CUPYFLASH_ACC32(8)                                          \
-                             : "l"(a_desc), "l"(b_desc), "r"(accumulate));                                     \
+                             : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(int(kTransposeA)),              \
+                               "n"(int(kTransposeB)));                                                         \
             }                                                                                                  \
         }                                                                                                      \
         template <int N, int kFirst = 0, int kTiles>                                                           \

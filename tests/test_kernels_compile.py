@@ -62,6 +62,11 @@ def test_instantiation_list_covers_every_dtype_head_dim_and_causal_setting():
                         for large in (False, True):
                             pair = _instantiations.bwd_kernels(dtype_name, d, causal, True, large, sparse)
                             assert all(k in everything for k in pair)
+                        if _instantiations.padded_head_dim(d) in _instantiations.WGMMA_HEAD_DIMS:
+                            assert _instantiations.fwd_kernel(dtype_name, d, causal, True, sparse, wgmma=True) in everything
+                            pair = _instantiations.bwd_kernels(dtype_name, d, causal, True, block_sparse=sparse, wgmma=True)
+                            assert isinstance(pair[0], _instantiations.WgmmaBwdDkdvKernel)
+                            assert all(k in everything for k in pair)
         for step in _instantiations.BWD_ROW_STEPS:
             assert _instantiations.BwdRowKernel(step, dtype_name) in everything
     for d in range(1, 257):
@@ -92,10 +97,14 @@ def test_wrong_backward_shared_memory_size_fails_to_compile(monkeypatch, kernel_
         _compile.compile_offline([kernel], "sm_80")
 
 
-def test_wrong_hopper_shared_memory_size_fails_to_compile(monkeypatch):
-    kernel = _instantiations.fwd_kernel("bfloat16", 100, True, wgmma=True)
+@pytest.mark.parametrize("backward", [False, True])
+def test_wrong_hopper_shared_memory_size_fails_to_compile(monkeypatch, backward):
+    if backward:
+        kernel = _instantiations.bwd_kernels("bfloat16", 100, True, True, wgmma=True)[0]
+    else:
+        kernel = _instantiations.fwd_kernel("bfloat16", 100, True, wgmma=True)
     true_bytes = kernel.smem_bytes
-    monkeypatch.setattr(_instantiations.WgmmaFwdKernel, "smem_bytes", property(lambda self: true_bytes - 1024))
+    monkeypatch.setattr(type(kernel), "smem_bytes", property(lambda self: true_bytes - 1024))
     with pytest.raises(RuntimeError, match="disagree on shared memory"):
         _compile.compile_offline([kernel], "sm_90a")
 
@@ -200,3 +209,27 @@ def test_wgmma_probe_tool_compiles():
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     assert probe.main(["--compile-only", "--head-dim", "64", "--block-n", "128"]) == 0
+
+
+@pytest.mark.parametrize("cc,dtype,head_dim,backward_on", [
+    (90, "bfloat16", 100, False), (90, "float16", 64, True), (90, "bfloat16", 160, True),
+    (90, "float32", 64, True), (80, "bfloat16", 64, True), (100, "float16", 128, True),
+])
+def test_hopper_kernels_are_chosen_on_sm_90_only(monkeypatch, cc, dtype, head_dim, backward_on):
+    """The dispatch, without a GPU: the Hopper forward on sm_90 for 16-bit head dims padded to 64 or
+    128 unless switched off, the Hopper dK/dV kernel there only when switched on."""
+    from cupyflash import _attention, _validation
+
+    monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: cc)
+    monkeypatch.setattr(_attention, "large_shared_memory", lambda device_id: cc >= 90)
+    monkeypatch.setattr(_instantiations, "WGMMA_FORWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(_instantiations, "WGMMA_BACKWARD_BY_DEFAULT", backward_on)
+    q = numpy.zeros((1, 8, 2, head_dim), _validation.BFLOAT16 if dtype == "bfloat16" else dtype)
+    p = _validation.check_attention_args(q, q, q, causal=True, scale=None, return_lse=True)
+    hopper = cc == 90 and dtype != "float32" and head_dim <= 128
+    assert isinstance(_attention.forward_kernel(p, 0), _instantiations.WgmmaFwdKernel) == hopper
+    dkdv, dq = _attention.backward_kernels(p, 0)
+    assert isinstance(dkdv, _instantiations.WgmmaBwdDkdvKernel) == (hopper and backward_on)
+    assert not isinstance(dq, _instantiations.WgmmaBwdDkdvKernel)
+    monkeypatch.setattr(_instantiations, "WGMMA_FORWARD_BY_DEFAULT", False)
+    assert not isinstance(_attention.forward_kernel(p, 0), _instantiations.WgmmaFwdKernel)

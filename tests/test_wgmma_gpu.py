@@ -1,11 +1,14 @@
-"""The Hopper forward kernel (wgmma, sm_90a; kernels/flash_fwd_tc.cu with WgmmaFwdTraits) on an sm_90 GPU: that the
-problems it serves take it once it is switched on, and every variant it has (dense, causal, windows,
-GQA, block-sparse, softcap/ALiBi, dropout, variable-length) against the float64 reference under the
-tolerance rule, on awkward shapes, strided and misaligned inputs. The backward behind it is the
-mma.sync one, fed the Hopper forward's out and lse. Marker `gpu`; skipped on other GPUs.
+"""The Hopper kernels (wgmma, sm_90a): the forward (kernels/flash_fwd_tc.cu with WgmmaFwdTraits) and
+the dK/dV kernel (kernels/flash_bwd_tc.cu with WgmmaBwdDkdvTraits) on an sm_90 GPU: that the
+problems they serve take them once they are switched on, and every variant they have (dense, causal,
+windows, GQA, block-sparse, softcap/ALiBi, dropout, variable-length) against the float64 reference
+under the tolerance rule, on awkward shapes, strided and misaligned inputs. Each test runs twice:
+with the Hopper forward and the mma.sync backward (fed the Hopper forward's out and lse), and with
+both on Hopper (the deterministic dQ kernel stays mma.sync). Marker `gpu`; skipped on other GPUs.
 
-attention() takes it by default on sm_90, so the whole GPU suite runs through it there; the
-fixture switches it on in case CUPYFLASH_HOPPER_FORWARD=0 is set."""
+attention() takes the Hopper forward by default on sm_90, so the whole GPU suite runs through it
+there; attention_backward() takes the Hopper dK/dV kernel only with CUPYFLASH_HOPPER_BACKWARD=1.
+The fixture sets both switches itself."""
 
 import numpy
 import pytest
@@ -22,19 +25,28 @@ pytestmark = pytest.mark.gpu
 TC_DTYPES = list(inst.TENSOR_CORE_DTYPES)
 
 
-@pytest.fixture
-def hopper(monkeypatch):
-    """The Hopper forward switched on; the forward kernels launched, in order."""
+class Launched(list):
+    """The forward and dK/dV kernels launched, in order; backward: whether the Hopper dK/dV kernel is on."""
+
+    def __init__(self, backward: bool):
+        super().__init__()
+        self.backward = backward
+
+
+@pytest.fixture(params=["forward", "forward+backward"])
+def hopper(request, monkeypatch):
+    """The Hopper forward switched on, and the Hopper dK/dV kernel with it in the second run."""
     import cupy
 
     if cupy.cuda.Device().compute_capability != str(inst.WGMMA_COMPUTE_CAPABILITY):
         pytest.skip("the Hopper kernels run on sm_90 devices only")
+    launched = Launched(backward=request.param == "forward+backward")
     monkeypatch.setattr(inst, "WGMMA_FORWARD_BY_DEFAULT", True)
-    launched = []
+    monkeypatch.setattr(inst, "WGMMA_BACKWARD_BY_DEFAULT", launched.backward)
     real = _attention._launch
 
     def recording(kernel, device_id, grid, params):
-        if "Fwd" in type(kernel).__name__:
+        if "Fwd" in type(kernel).__name__ or isinstance(kernel, inst.TcBwdDkdvKernel):
             launched.append(kernel)
         return real(kernel, device_id, grid, params)
 
@@ -42,8 +54,13 @@ def hopper(monkeypatch):
     return launched
 
 
-def took_hopper(launched) -> bool:
-    return bool(launched) and all(isinstance(k, inst.WgmmaFwdKernel) for k in launched)
+def took_hopper(launched: Launched) -> bool:
+    """Every forward was the Hopper one, and with the backward switched on every dK/dV kernel too
+    (tests that run no backward launch none)."""
+    forwards = [k for k in launched if "Fwd" in type(k).__name__]
+    dkdv = [k for k in launched if isinstance(k, inst.TcBwdDkdvKernel)]
+    hopper_dkdv = all(isinstance(k, inst.WgmmaBwdDkdvKernel) == launched.backward for k in dkdv)
+    return bool(forwards) and all(isinstance(k, inst.WgmmaFwdKernel) for k in forwards) and hopper_dkdv
 
 
 @pytest.mark.parametrize("head_dim,hopper_kernel", [(40, True), (64, True), (100, True), (128, True), (160, False)])
@@ -105,7 +122,7 @@ def test_agrees_with_the_mma_sync_kernel(rng, hopper, dtype):
     assert took_hopper(hopper)
     inst.WGMMA_FORWARD_BY_DEFAULT = False  # monkeypatch restores it
     out_mma, lse_mma = cupyflash.attention(q, k, v, causal=True, return_lse=True)
-    assert isinstance(hopper[-1], inst.TcFwdKernel)
+    assert isinstance(hopper[-1], inst.TcFwdKernel) and len(hopper) == 2
     unit = 2.0**-11 if dtype == "float16" else 2.0**-8  # the 16-bit type's half ulp at 1
     out, out_mma = out.astype(cupy.float32), out_mma.astype(cupy.float32)
     assert float(cupy.abs(out - out_mma).max()) <= 8 * unit * max(1.0, float(cupy.abs(out_mma).max()))
