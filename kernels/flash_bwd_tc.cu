@@ -7,7 +7,9 @@
 //     of dV_j += P^T dO_i and dK_j += dS^T Q_i (rounded to the input type, as FlashAttention-2
 //     does). A warp's own share of P^T and dS^T feeds those products from registers, the other
 //     warps' shares through shared memory; dQ_i += dS_ij K_j goes through dS^T in shared memory
-//     and float32 atomics.
+//     and float32 atomics. On Hopper (sm_90a, WgmmaBwdDkdvTraits) the products are warpgroup
+//     wgmma (flash_wgmma.cuh), 64 keys per warpgroup: a warp holds 16 keys x every query of the
+//     step, so P^T and dS^T feed dV_j and dK_j whole from registers.
 //   flash_bwd_dq_tc_kernel (deterministic mode): one block per query block, recomputes P_ij and
 //     dP_ij and sums dQ_i over the key blocks in a fixed order, with no atomics.
 #include "flash_bwd.cuh"
