@@ -765,7 +765,7 @@ def _backward_gpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
 
 def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None) -> tuple:
     """The traits table's (dK/dV kernel, deterministic dQ kernel) for the problem on this device:
-    the Hopper dK/dV kernel where `wgmma_for` allows it and it is switched on
+    the Hopper dK/dV kernel where `_uses_wgmma` allows it and it is switched on
     (`_instantiations.WGMMA_BACKWARD_BY_DEFAULT`), or with wgmma=True."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)

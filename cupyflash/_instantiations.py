@@ -730,7 +730,9 @@ WGMMA_BACKWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_BACKWARD", "0") == 
 
 def wgmma_dkdv_tile_shape(padded_head_dim: int, score_mod: bool = False) -> TcDkdvTileShape:
     """128 keys per block (two warpgroups); queries per step: 128 at d64 (S^T and dP^T 64 registers
-    each beside dK_j, dV_j's 64), 64 at d128 (dK_j, dV_j take 128). score_mod: 64 at d64 too."""
+    each beside dK_j, dV_j's 64), 64 at d128 (dK_j, dV_j take 128). score_mod (the variable-length
+    kernel included): 64 at d64 too; with 128 the score-modifier builds sit at 255 registers and
+    the variable-length one spills 8 bytes (sm_90a)."""
     block_m = 128 if padded_head_dim == 64 and not score_mod else 64
     return TcDkdvTileShape(block_m, 128, num_warps=8, warps_q=1, do_buffers=2, out_split=1, min_blocks_per_sm=1)
 
@@ -758,7 +760,7 @@ class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
 
 
 def uses_wgmma(dtype_name: str, padded_head_dim: int, compute_capability: int) -> bool:
-    """Whether the Hopper forward kernel can serve a problem on a device of this compute capability."""
+    """Whether the Hopper kernels can serve a problem on a device of this compute capability."""
     return (dtype_name in TENSOR_CORE_DTYPES and padded_head_dim in WGMMA_HEAD_DIMS
             and compute_capability == WGMMA_COMPUTE_CAPABILITY)
 
