@@ -44,6 +44,8 @@ struct TcTileLayout {
     template <int kRows>
     static __device__ __forceinline__ unsigned tile_offset(int row, int col) { return (row * kStride + col) * 2; }
     static __host__ __device__ constexpr unsigned row_bytes(int rows) { return rows * kStride * 2; }
+    // Where the tiles start in the block's shared memory (byte address): at its start.
+    static __device__ __forceinline__ unsigned tile_base(unsigned smem) { return smem; }
 
     static_assert(sizeof(Storage) == 2, "tensor-core kernels take 16-bit elements");
     static_assert(kHeadDim % 16 == 0, "the head dim is padded to a multiple of the k16 step");
@@ -67,6 +69,10 @@ struct SwizzledTileLayout {
         return (col / kPanelColumns) * (kRows * kSwizzleBytes) + row * kSwizzleBytes + (chunk ^ (row % 8)) * 16;
     }
     static __host__ __device__ constexpr unsigned row_bytes(int rows) { return rows * kSwizzleBytes; }
+    // The first swizzle period in the block's shared memory (whose size includes one period of slack).
+    static __device__ __forceinline__ unsigned tile_base(unsigned smem) {
+        return (smem + kSwizzleAtomBytes - 1) & ~static_cast<unsigned>(kSwizzleAtomBytes - 1);
+    }
 };
 
 // kRows rows split evenly over the warps, whole m16 tiles each.
@@ -93,7 +99,6 @@ struct TcFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_> {
     static constexpr int kSmemKOffset = kSmemQOffset + kBlockM * Base::kStride;
     static constexpr int kSmemVOffset = kSmemKOffset + kBlockN * Base::kStride;
     static constexpr int kSmemBytes = (kSmemVOffset + kBlockN * Base::kStride) * 2;
-    static __device__ __forceinline__ unsigned tile_base(unsigned smem) { return smem; }
 
     static_assert(kBlockN % 16 == 0, "P_ij feeds P V in k16 steps");
 };
@@ -109,6 +114,7 @@ struct WgmmaFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_>, S
     using Base = TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_>;
     using SwizzledTileLayout::kRowPeriod;
     using SwizzledTileLayout::row_bytes;
+    using SwizzledTileLayout::tile_base;
     using SwizzledTileLayout::tile_offset;
     static constexpr int kBlockM = kBlockM_;  // B_r: queries per block
     static constexpr int kBlockN = kBlockN_;  // B_c: keys per iteration
@@ -123,10 +129,6 @@ struct WgmmaFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_>, S
     static constexpr int kSmemKOffset = kSmemQOffset + kBlockM * kHeadDim_;
     static constexpr int kSmemVOffset = kSmemKOffset + kBlockN * kHeadDim_;
     static constexpr int kSmemBytes = (kSmemVOffset + kBlockN * kHeadDim_) * 2 + kSwizzleAtomBytes;
-    // The first swizzle period in the block's shared memory.
-    static __device__ __forceinline__ unsigned tile_base(unsigned smem) {
-        return (smem + kSwizzleAtomBytes - 1) & ~static_cast<unsigned>(kSwizzleAtomBytes - 1);
-    }
 
     static_assert(kNWarps_ % 4 == 0 && kBlockM == 64 * kWarpgroups, "64 query rows per warpgroup");
     static_assert(Base::kMTiles == 1, "a warp holds 16 rows of its warpgroup's product");
@@ -195,7 +197,6 @@ struct TcBwdDkdvTraits : TcTileLayout<Element_, kHeadDim_, kNWarps_> {
     static constexpr int kSmemBytes = kSmemRowStatsOffset + 2 * 2 * kBlockM * 4;
     static constexpr int kQueryTileBytes = kBlockM * Base::kStride * 2;  // one buffer of Q_i or dO_i
     static constexpr bool kWgmma = false;  // mma.sync products (WgmmaBwdDkdvTraits: wgmma)
-    static __device__ __forceinline__ unsigned tile_base(unsigned smem) { return smem; }
 
     static_assert(kDoBuffers == 1 || kDoBuffers == 2, "dO_i is single- or double-buffered");
     static_assert(kNWarps_ % kWarpsQ == 0, "the warps form a kWarpsK x kWarpsQ grid");
@@ -223,6 +224,7 @@ struct WgmmaBwdDkdvTraits
                                  kMinBlocksPerSm_>;
     using SwizzledTileLayout::kRowPeriod;
     using SwizzledTileLayout::row_bytes;
+    using SwizzledTileLayout::tile_base;
     using SwizzledTileLayout::tile_offset;
     static constexpr int kWarpgroups = kNWarps_ / 4;
     static constexpr int kPanels = kHeadDim_ / kPanelColumns;
@@ -243,9 +245,6 @@ struct WgmmaBwdDkdvTraits
     static constexpr int kSmemDsOffset = kSmemPOffset;
     static constexpr int kSmemRowStatsOffset = (kSmemDsOffset + kBlockN_ * kBlockM_) * 2;  // bytes
     static constexpr int kSmemBytes = kSmemRowStatsOffset + 2 * 2 * kBlockM_ * 4 + kSwizzleAtomBytes;
-    static __device__ __forceinline__ unsigned tile_base(unsigned smem) {
-        return (smem + kSwizzleAtomBytes - 1) & ~static_cast<unsigned>(kSwizzleAtomBytes - 1);
-    }
 
     static_assert(kWarpsQ_ == 1 && kOutSplit_ == 1, "a warp owns whole rows of S^T, dK_j and dV_j");
     static_assert(kDoBuffers_ == 2, "dO_i is double-buffered");
