@@ -60,6 +60,7 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--head-dim", type=int, action="append")
     ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--backward-only", action="store_true", help="time only the dK/dV and dQ tiles")
     args = ap.parse_args(argv)
     hopper = cupy.cuda.Device().compute_capability == str(inst.WGMMA_COMPUTE_CAPABILITY)
     dtype = _validation.BFLOAT16 if args.dtype == "bfloat16" else numpy.dtype(args.dtype)
@@ -81,6 +82,7 @@ def main(argv=None):
         first = None
         candidates = [(inst.TcFwdKernel, "fwd", tile) for tile in FWD[d]]
         candidates += [(inst.WgmmaFwdKernel, "fwd wgmma", tile) for tile in HOPPER_FWD.get(d, []) if hopper]
+        candidates = [] if args.backward_only else candidates
         for kind, name, tile in candidates:
             kernel = kind(p.dtype_name, d, p.causal, tile)
             label = f"{name} d{d} {tuple(tile.__dict__.values())}"

@@ -722,10 +722,12 @@ class WgmmaFwdKernel(_TcKernel):
 
 
 # The dK/dV kernel on wgmma (flash_bwd_tc.cu with WgmmaBwdDkdvTraits): 64 keys per warpgroup,
-# two warpgroups; the deterministic dQ kernel stays mma.sync. Written without a GPU (session 16):
-# attention_backward() takes it only with CUPYFLASH_HOPPER_BACKWARD=1 until it has passed the GPU
-# suite; tests and benchmarks can pick it explicitly (`wgmma=True`).
-WGMMA_BACKWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_BACKWARD", "0") == "1"
+# two warpgroups; the deterministic dQ kernel stays mma.sync. attention_backward() takes it on
+# sm_90 unless CUPYFLASH_HOPPER_BACKWARD=0 is set (then the mma.sync dK/dV kernel serves, as on
+# other GPUs); tests and benchmarks can pick either explicitly (`wgmma=`). On an H100 (b2 s8192
+# bf16, benchmarks/tune_tc.py, session 17) it measured 336 TFLOP/s at d64 and 349 at d128, where
+# the mma.sync kernel's best tiles give 256 and 274.
+WGMMA_BACKWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_BACKWARD", "1") != "0"
 
 
 def wgmma_dkdv_tile_shape(padded_head_dim: int, score_mod: bool = False) -> TcDkdvTileShape:

@@ -41,10 +41,12 @@ def test_16_bit_dtypes_take_the_tensor_core_kernels(rng, launched, dtype):
     cupyflash.attention_backward(out, q, k, v, out, lse, deterministic=True)
     tiled = [type(kn).__name__ for kn in launched if not isinstance(kn, inst.BwdRowKernel)]
     if dtype in TC_DTYPES:
-        # The Hopper forward on sm_90 unless it is switched off (CUPYFLASH_HOPPER_FORWARD=0).
-        hopper = inst.WGMMA_FORWARD_BY_DEFAULT and cupy.cuda.Device().compute_capability == "90"
-        forward = "WgmmaFwdKernel" if hopper else "TcFwdKernel"
-        assert tiled == [forward, "TcBwdDkdvKernel", "TcBwdDkdvKernel", "TcBwdDqKernel"]
+        # The Hopper kernels on sm_90 unless switched off (CUPYFLASH_HOPPER_FORWARD=0,
+        # CUPYFLASH_HOPPER_BACKWARD=0); the deterministic dQ kernel is mma.sync everywhere.
+        sm_90 = cupy.cuda.Device().compute_capability == "90"
+        forward = "WgmmaFwdKernel" if inst.WGMMA_FORWARD_BY_DEFAULT and sm_90 else "TcFwdKernel"
+        dkdv = "WgmmaBwdDkdvKernel" if inst.WGMMA_BACKWARD_BY_DEFAULT and sm_90 else "TcBwdDkdvKernel"
+        assert tiled == [forward, dkdv, dkdv, "TcBwdDqKernel"]
     else:  # float32 / float64 stay exact: never TF32 tensor cores
         assert tiled == ["FwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
 

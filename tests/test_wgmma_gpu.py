@@ -6,9 +6,9 @@ under the tolerance rule, on awkward shapes, strided and misaligned inputs. Each
 with the Hopper forward and the mma.sync backward (fed the Hopper forward's out and lse), and with
 both on Hopper (the deterministic dQ kernel stays mma.sync). Marker `gpu`; skipped on other GPUs.
 
-attention() takes the Hopper forward by default on sm_90, so the whole GPU suite runs through it
-there; attention_backward() takes the Hopper dK/dV kernel only with CUPYFLASH_HOPPER_BACKWARD=1.
-The fixture sets both switches itself."""
+attention() and attention_backward() take the Hopper kernels by default on sm_90, so the whole GPU
+suite runs through them there (CUPYFLASH_HOPPER_FORWARD=0 / CUPYFLASH_HOPPER_BACKWARD=0 switch them
+off). The fixture sets both switches itself."""
 
 import numpy
 import pytest
