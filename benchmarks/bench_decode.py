@@ -216,3 +216,10 @@ def plot(rows, path, device, matplotlib):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+if __name__ == "__main__":  # run directly: the same as python -m cupyflash bench --decode
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import bench
+
+    raise SystemExit(bench.main(["--decode", *sys.argv[1:]]))

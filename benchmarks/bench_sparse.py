@@ -316,3 +316,10 @@ def plot(rows, path, device, matplotlib):
     fig.suptitle(f"block-sparse attention on {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":  # run directly: the same as python -m cupyflash bench --sparse
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import bench
+
+    raise SystemExit(bench.main(["--sparse", *sys.argv[1:]]))

@@ -17,8 +17,7 @@ from cupyflash._validation import BFLOAT16
 
 CANDIDATES = {128: [(128, 64, 4), (128, 64, 8), (128, 32, 4), (64, 64, 4), (64, 128, 4)],
               64: [(128, 128, 4), (128, 64, 4), (64, 128, 4)], 256: [(128, 64, 8), (64, 64, 4), (64, 32, 4)]}
-# (block_m, block_n, warps, blocks per SM): the d64 dense tile (64, 128, 4, 3) spills 8 bytes in the
-# non-local block-sparse kernel.
+# (block_m, block_n, warps, blocks per SM); the first of each is the traits table's tile.
 HOPPER_CANDIDATES = {64: [(64, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 2)],
                      128: [(128, 128, 8, 1), (128, 64, 8, 1), (64, 64, 4, 2)]}
 

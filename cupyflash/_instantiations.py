@@ -683,16 +683,12 @@ WGMMA_FWD_TILES = {
 }
 
 
-def wgmma_fwd_tile_shape(padded_head_dim: int, block_sparse: bool = False, local: bool = False) -> TcTileShape:
-    """Warpgroups of 64 query rows, 128 keys per step (one m64n128 wgmma per k-step of S).
-    block_sparse: at d64 the non-local block-sparse kernel spills 8 bytes at three blocks per SM
-    (168 registers; NVRTC 13.5, sm_90a), so it runs two: 311 TFLOP/s at density 1 on an H100,
-    where the dense tile gives 374 (benchmarks/tune_sparse.py; (64, 64) keys at two or three per
-    SM gave 305-310)."""
-    tile = WGMMA_FWD_TILES[padded_head_dim]
-    if padded_head_dim == 64 and block_sparse and not local:
-        return dataclasses.replace(tile, min_blocks_per_sm=2)
-    return tile
+def wgmma_fwd_tile_shape(padded_head_dim: int) -> TcTileShape:
+    """Warpgroups of 64 query rows, 128 keys per step (one m64n128 wgmma per k-step of S); the
+    block-sparse kernels take the same tiles. (At d64, three blocks per SM, the non-local
+    block-sparse kernel spilled 8 bytes while it read each key block's column from the mask twice,
+    for the prefetch and again for the step; it now carries it from one step to the next.)"""
+    return WGMMA_FWD_TILES[padded_head_dim]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -708,7 +704,7 @@ class WgmmaFwdKernel(_TcKernel):
 
     @property
     def tile(self) -> TcTileShape:
-        return self.tile_override or wgmma_fwd_tile_shape(self.head_dim, self.block_sparse, self.local)
+        return self.tile_override or wgmma_fwd_tile_shape(self.head_dim)
 
     @property
     def smem_bytes(self) -> int:

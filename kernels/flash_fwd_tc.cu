@@ -64,8 +64,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
     // (Dense and not local, the first tile is written as the dense kernel always had it, 0:
     // indexing the dense sequence means the same, yet NVRTC then schedules the whole loop differently.)
+    int next_col0 = 0;  // block-sparse: the next K_j's first column, read from the mask once
     if (key_blocks.begin < key_blocks.end) {
         const int first = kIsBlockSparse || kIsLocal ? key_blocks[key_blocks.begin] * Kt::kBlockN : 0;
+        next_col0 = first;
         load_tile_async<Kt, Kt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
         load_tile_async<Kt, Kt::kBlockN>(sK, k + first * params.k_row_stride, params.k_row_stride,
                                          min(Kt::kBlockN, params.seqlen_k - first), params.head_dim);
@@ -79,7 +81,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     // each: started at a runtime tile, NVRTC spills 100 bytes at d64 and d128 (local attention).
     for (int t = kIsBlockSparse ? key_blocks.begin : 0; t < key_blocks.end; ++t) {
         if (!kIsBlockSparse && t < key_blocks.begin) continue;
-        const int col0 = key_blocks[t] * Kt::kBlockN;
+        const int col0 = kIsBlockSparse ? next_col0 : key_blocks[t] * Kt::kBlockN;
         const int keys_valid = min(Kt::kBlockN, params.seqlen_k - col0);
         tiles_landed<Kt>();  // K_j (and Q_i) have landed; every warp is done reading V_{j-1}
         load_tile_async<Kt, Kt::kBlockN>(sV, v + col0 * params.v_row_stride, params.v_row_stride, keys_valid,
@@ -119,6 +121,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         tiles_landed<Kt>();  // V_j has landed; every warp is done reading K_j
         if (t + 1 < key_blocks.end) {
             const int next = kIsBlockSparse ? key_blocks[t + 1] * Kt::kBlockN : col0 + Kt::kBlockN;
+            next_col0 = next;
             load_tile_async<Kt, Kt::kBlockN>(sK, k + next * params.k_row_stride, params.k_row_stride,
                                              min(Kt::kBlockN, params.seqlen_k - next), params.head_dim);
         }
