@@ -345,20 +345,17 @@ class BwdDqKernel(_TiledKernel):
 
 @dataclasses.dataclass(frozen=True)
 class BwdRowKernel:
-    """A one-warp-per-query-row kernel of flash_bwd.cu: "preprocess" (D_i, lse_i in log2 units) or
-    "convert_dq" (the dQ workspace rounded to the input dtype)."""
+    """A row kernel of flash_bwd.cu (a group of lanes per query row, its RowGroups): "preprocess"
+    (D_i, lse_i in log2 units) or "convert_dq" (the dQ workspace rounded to the input dtype)."""
 
     step: str
     dtype_name: str
 
     source_file = "flash_bwd.cu"
-    rows_per_block = 4
+    rows_per_block = 32  # kRowsPerBlock: 8 per warp (flash_bwd.cu's RowGroups)
+    num_threads = 128  # kRowThreads
     smem_bytes = 0
     per_kv_head = False
-
-    @property
-    def num_threads(self) -> int:
-        return 32 * self.rows_per_block
 
     @property
     def name_expression(self) -> str:
