@@ -99,8 +99,13 @@ def _median_ms(fn, max_seconds: float) -> float:
 
     The host queues each call while the GPU runs the one before, as in a training loop, so the
     figure is the GPU's time per call for every method alike, not the Python launch overhead
-    (which `benchmarks/NOTES.md` reports separately). Batches last about 2 ms or more; at least
-    5 are timed, more while the budget lasts. One untimed call first compiles and autotunes."""
+    (which `benchmarks/host_overhead.py` measures). Each batch starts with an untimed call: the
+    start event is queued behind it, so the first timed call finds the GPU busy, as every later
+    one does. (Without it, the host time of the batch's first call, 0.1-0.4 ms, fell inside the
+    timed span on an idle GPU: half of it per call when a batch held two calls.) Where the host
+    is slower than the GPU the figure is the host's time per call, as in a loop. Batches last
+    about 2 ms or more; at least 5 are timed, more while the budget lasts. One untimed call
+    first compiles and autotunes."""
     import time
 
     import cupy
@@ -109,6 +114,7 @@ def _median_ms(fn, max_seconds: float) -> float:
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
 
     def batch(n: int) -> float:
+        fn()
         start.record()
         for _ in range(n):
             fn()

@@ -90,16 +90,16 @@ class _TiledKernel:
 
     per_kv_head = False  # grid over query heads (True: over K/V heads, the dK/dV kernels)
 
-    @property
+    @functools.cached_property
     def num_threads(self) -> int:
         return 32 * self.tile.num_warps
 
-    @property
+    @functools.cached_property
     def traits(self) -> str:
         tile_args = ", ".join(str(x) for x in dataclasses.astuple(self.tile))
         return f"cupyflash::{self.traits_name}<{ELEMENT_TYPES[self.dtype_name]}, {self.head_dim}, {tile_args}>"
 
-    @property
+    @functools.cached_property
     def name_expression(self) -> str:
         flags = (self.local, self.block_sparse) + ((True,) if self.score_mod else ()) + ((True,) if self.varlen else ())
         flags = ", ".join("true" if flag else "false" for flag in flags)
@@ -129,11 +129,11 @@ class FwdKernel(_TiledKernel):
     kernel_name = "flash_fwd_kernel"
     traits_name = "FwdTraits"
 
-    @property
+    @functools.cached_property
     def tile(self) -> TileShape:
         return self.tile_override or tile_shape(self.dtype_name, self.head_dim, self.varlen, self.score_mod)
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         # Mirrors FwdTraits::kSmemBytes (checked by the static_assert in host_checks()).
         t = self.tile
@@ -150,6 +150,7 @@ def _row_stride(dtype_name: str, columns: int) -> int:
     return columns + 16 // accum_itemsize(dtype_name)
 
 
+@functools.cache  # on every call's launch path: one object per instantiation, its properties cached
 def fwd_kernel(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, block_sparse: bool = False,
     score_mod: bool = False, varlen: bool = False, wgmma: bool = False,
@@ -211,7 +212,7 @@ class DropoutMaskKernel:
     dtype_name = "uint8"
     per_kv_head = False
 
-    @property
+    @functools.cached_property
     def name_expression(self) -> str:
         return f"cupyflash::flash_dropout_mask_kernel<{self.num_threads}>"
 
@@ -291,11 +292,11 @@ class BwdDkdvKernel(_TiledKernel):
     traits_name = "BwdDkdvTraits"
     per_kv_head = True  # its grid's heads are K/V heads; each block walks its group's query heads
 
-    @property
+    @functools.cached_property
     def tile(self) -> DkdvTileShape:
         return dkdv_tile_shape(self.dtype_name, self.head_dim, self.block_sparse or self.score_mod, self.varlen)
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         # Mirrors BwdDkdvTraits::kSmemBytes: K_j, V_j, Q_i, dO_i, P^T, dS^T, dS, lse_i, D_i.
         t, name = self.tile, self.dtype_name
@@ -327,11 +328,11 @@ class BwdDqKernel(_TiledKernel):
     kernel_name = "flash_bwd_dq_kernel"
     traits_name = "BwdDqTraits"
 
-    @property
+    @functools.cached_property
     def tile(self) -> TileShape:
         return dq_tile_shape(self.dtype_name, self.head_dim, self.varlen)
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         # Mirrors BwdDqTraits::kSmemBytes: Q_i, dO_i, K_j, V_j, dS_ij.
         t, name = self.tile, self.dtype_name
@@ -357,7 +358,7 @@ class BwdRowKernel:
     smem_bytes = 0
     per_kv_head = False
 
-    @property
+    @functools.cached_property
     def name_expression(self) -> str:
         return f"cupyflash::flash_bwd_{self.step}_kernel<{ELEMENT_TYPES[self.dtype_name]}, {self.rows_per_block}>"
 
@@ -371,6 +372,7 @@ class BwdRowKernel:
 BWD_ROW_STEPS = ("preprocess", "convert_dq")
 
 
+@functools.cache  # as fwd_kernel
 def bwd_kernels(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, large_smem: bool = False,
     block_sparse: bool = False, score_mod: bool = False, varlen: bool = False, wgmma: bool = False,
@@ -574,7 +576,7 @@ class _TcKernel(_TiledKernel):
     score_mod: bool = False
     varlen: bool = False
 
-    @property
+    @functools.cached_property
     def tile(self):
         return self.tile_override or type(self).tile_table(self.head_dim)
 
@@ -587,12 +589,12 @@ class TcFwdKernel(_TcKernel):
     kernel_name = "flash_fwd_tc_kernel"
     traits_name = "TcFwdTraits"
 
-    @property
+    @functools.cached_property
     def tile(self) -> TcTileShape:
         return self.tile_override or tc_fwd_tile_shape(self.head_dim, self.block_sparse, self.local, self.score_mod,
                                                          self.varlen)
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         # Mirrors TcFwdTraits::kSmemBytes: Q_i, K_j, V_j.
         t = self.tile
@@ -615,7 +617,7 @@ class TcBwdDkdvKernel(_TcKernel):
     traits_name = "TcBwdDkdvTraits"
     per_kv_head = True  # as BwdDkdvKernel
 
-    @property
+    @functools.cached_property
     def tile(self) -> TcDkdvTileShape:
         return self.tile_override or tc_dkdv_tile_shape(self.head_dim, self.large_smem, self.block_sparse, self.score_mod,
                                                            self.varlen)
@@ -626,7 +628,7 @@ class TcBwdDkdvKernel(_TcKernel):
     def __hash__(self) -> int:
         return hash(self.name_expression)
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         # Mirrors TcBwdDkdvTraits::kSmemBytes: K_j, V_j, 2 x Q_i, do_buffers x dO_i, P^T, dS^T, 2 x (lse_i, D_i).
         t = self.tile
@@ -647,7 +649,7 @@ class TcBwdDqKernel(_TcKernel):
     traits_name = "TcBwdDqTraits"
     tile_table = staticmethod(tc_dq_tile_shape)
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         # Mirrors TcBwdDqTraits::kSmemBytes: Q_i, dO_i, 2 x (K_j, V_j).
         t = self.tile
@@ -699,11 +701,11 @@ class WgmmaFwdKernel(_TcKernel):
     arch = WGMMA_ARCH
     compile_options = (f"--gpu-architecture={WGMMA_ARCH}",)
 
-    @property
+    @functools.cached_property
     def tile(self) -> TcTileShape:
         return self.tile_override or wgmma_fwd_tile_shape(self.head_dim)
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         # Mirrors WgmmaFwdTraits::kSmemBytes: Q_i, K_j, V_j unpadded, and a swizzle period (1024
         # bytes) to align their base.
@@ -741,11 +743,11 @@ class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
     arch = WGMMA_ARCH
     compile_options = (f"--gpu-architecture={WGMMA_ARCH}",)
 
-    @property
+    @functools.cached_property
     def tile(self) -> TcDkdvTileShape:
         return self.tile_override or wgmma_dkdv_tile_shape(self.head_dim, self.score_mod)
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         # Mirrors WgmmaBwdDkdvTraits::kSmemBytes: K_j, V_j, 2 x Q_i, 2 x dO_i, dS^T unpadded,
         # 2 x (lse_i, D_i), and a swizzle period to align the tiles' base.
@@ -857,12 +859,12 @@ class _DecodeKernel:
     source_file = "flash_decode.cu"
     num_threads = 32 * DECODE_WARPS
 
-    @property
+    @functools.cached_property
     def traits(self) -> str:
         args = ", ".join(str(x) for x in (self.head_dim, *self.traits_args))
         return f"cupyflash::{self.traits_name}<{ELEMENT_TYPES[self.dtype_name]}, {args}>"
 
-    @property
+    @functools.cached_property
     def name_expression(self) -> str:
         return f"cupyflash::{self.kernel_name}<{self.traits}{', true' if self.score_mod else ''}>"
 
@@ -943,7 +945,7 @@ class DecodeAppendKernel:
     head_dim = 0  # any
     num_threads = 128
 
-    @property
+    @functools.cached_property
     def name_expression(self) -> str:
         return f"cupyflash::flash_decode_append_kernel<{ELEMENT_TYPES[self.dtype_name]}>"
 

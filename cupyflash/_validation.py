@@ -333,6 +333,8 @@ def check_alibi_slopes(slopes, problem: AttentionProblem) -> AttentionProblem:
 def check_dropout(dropout_p, seed, offset, problem: AttentionProblem) -> AttentionProblem:
     """The problem with dropout (`check_dropout_args`)."""
     dropout_p, seed, offset = check_dropout_args(dropout_p, seed, offset)
+    if (dropout_p, seed, offset) == (problem.dropout_p, problem.seed, problem.offset):
+        return problem  # dataclasses.replace costs ~10 us, and this is on every call's path
     return dataclasses.replace(problem, dropout_p=dropout_p, seed=seed, offset=offset)
 
 
@@ -432,7 +434,8 @@ def _check_backward_extras(dout, q, out, lse, problem: AttentionProblem, expecte
         )
     if lse.size and any(stride % lse.dtype.itemsize for stride in lse.strides):
         raise ValueError(f"lse's strides must be multiples of its itemsize {lse.dtype.itemsize}, got {lse.strides}")
-    return dataclasses.replace(problem, deterministic=check_flag(deterministic, "deterministic"))
+    deterministic = check_flag(deterministic, "deterministic")
+    return problem if deterministic == problem.deterministic else dataclasses.replace(problem, deterministic=deterministic)
 
 
 def _check_strides(x, name: str) -> None:

@@ -1,6 +1,7 @@
 """Every kernel instantiation (forward and backward) compiles with NVRTC for sm_80 and sm_90a, without spills; the
 compile-time checks that tie the host's numbers to the kernels' really fire. No GPU needed."""
 
+import dataclasses
 import pathlib
 import shutil
 import subprocess
@@ -233,3 +234,21 @@ def test_hopper_kernels_are_chosen_on_sm_90_only(monkeypatch, cc, dtype, head_di
     assert isinstance(dq, _instantiations.TcBwdDqKernel) == (dtype != "float32")  # mma.sync on every GPU
     monkeypatch.setattr(_instantiations, "WGMMA_FORWARD_BY_DEFAULT", False)
     assert not isinstance(_attention.forward_kernel(p, 0), _instantiations.WgmmaFwdKernel)
+
+
+# The launch path picks its kernels on every call: the tables hand back one object per
+# instantiation, whose cached name, tile and shared-memory size are those a fresh one computes.
+@pytest.mark.parametrize("pick", [
+    lambda: (_instantiations.fwd_kernel("bfloat16", 100, True, wgmma=True),),
+    lambda: _instantiations.bwd_kernels("bfloat16", 100, True, True, wgmma=True),
+    lambda: _instantiations.bwd_kernels("float16", 96, False, True, large_smem=True),
+    lambda: _instantiations.bwd_kernels("float64", 59, True, block_sparse=True),
+])
+def test_kernel_tables_are_memoised_with_the_fresh_figures(pick):
+    first, again = pick(), pick()
+    assert all(a is b for a, b in zip(first, again))
+    for kernel in first:
+        fresh = dataclasses.replace(kernel)
+        assert fresh is not kernel and fresh == kernel and hash(fresh) == hash(kernel)
+        for name in ("name_expression", "tile", "smem_bytes", "num_threads"):
+            assert getattr(fresh, name) == getattr(kernel, name)
