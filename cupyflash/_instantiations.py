@@ -366,7 +366,9 @@ class BwdRowKernel:
         return (math.ceil(seqlen_q / self.rows_per_block), heads, batch)
 
     def host_checks(self) -> str:
-        return ""
+        # Fewer threads than kRowThreads would leave rows unread with no launch error.
+        return (f"static_assert(cupyflash::kRowThreads == {self.num_threads}, "
+                f'"cupyflash/_instantiations.py and flash_bwd.cu disagree on the row kernels\' threads");\n')
 
 
 BWD_ROW_STEPS = ("preprocess", "convert_dq")

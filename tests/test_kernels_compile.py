@@ -148,6 +148,13 @@ def test_wrong_decode_shared_memory_size_fails_to_compile(monkeypatch, kernel):
         _compile.compile_offline([kernel], "sm_80")
 
 
+def test_wrong_row_kernel_threads_fail_to_compile(monkeypatch):
+    kernel = _instantiations.BwdRowKernel("preprocess", "bfloat16")
+    monkeypatch.setattr(_instantiations.BwdRowKernel, "num_threads", kernel.num_threads // 2)
+    with pytest.raises(RuntimeError, match="disagree on the row kernels' threads"):
+        _compile.compile_offline([kernel], "sm_80")
+
+
 @pytest.mark.parametrize("attr,kernel", [
     ("FWD_PARAMS_DTYPE", _instantiations.fwd_kernel("float32", 64, False)),
     ("BWD_PARAMS_DTYPE", _instantiations.BwdRowKernel("preprocess", "float32")),
