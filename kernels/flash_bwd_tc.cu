@@ -9,7 +9,8 @@
 //     warps' shares through shared memory; dQ_i += dS_ij K_j goes through dS^T in shared memory
 //     and float32 atomics. On Hopper (sm_90a, WgmmaBwdDkdvTraits) the products are warpgroup
 //     wgmma (flash_wgmma.cuh), 64 keys per warpgroup: a warp holds 16 keys x every query of the
-//     step, so P^T and dS^T feed dV_j and dK_j whole from registers.
+//     step, so P^T and dS^T feed dV_j and dK_j whole from registers; products are left running
+//     while the warp computes where registers allow (kOverlap, kDpWithS).
 //   flash_bwd_dq_tc_kernel (deterministic mode): one block per query block, recomputes P_ij and
 //     dP_ij and sums dQ_i over the key blocks in a fixed order, with no atomics.
 #include "flash_bwd.cuh"
@@ -168,6 +169,15 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const unsigned sK_warp = sK + warp_keys * kStride * 2, sV_warp = sV + warp_keys * kStride * 2;
     const unsigned sPt_warp = sPt + warp_keys * kPStride * 2, sdSt_warp = sdSt + warp_keys * kPStride * 2;
 
+    // Hopper (benchmarks/NOTES.md, session 20): kOverlap leaves dV_j's and dK_j's products
+    // running while the warp goes on (waited for at the end of the step), and kDpWithS issues
+    // dP^T together with S^T, so the tensor cores compute it while the warp works out P^T.
+    // kDpWithS needs S^T and dP^T in registers at once: taken where they are 32 each (64 queries
+    // per step); at 128 queries (64 each, d64) it measured 2% slower than waiting. The d128
+    // score-modifier builds hold P^T ∘ dx besides and wait for each product at once (overlapped,
+    // the variable-length one spilled at 255 registers, sm_90a).
+    constexpr bool kOverlap = !(kScoreMod && Bt::kHeadDim >= 128);
+    constexpr bool kDpWithS = kOverlap && Bt::kBlockM == 64;
     const int first_head = kv_head * params.kv_group;
     for (int head_idx = first_head; head_idx < first_head + params.kv_group; ++head_idx) {
         const auto mod = score_mod<kScoreMod, float>(params, batch_idx, head_idx);
@@ -210,9 +220,15 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             cp_async_commit();
 
             // S_ij^T = K_j Q_i^T, masked, then P_ij^T = exp2(S^T·scale·log2(e) - lse_i·log2(e)).
-            float St[Bt::kMTiles][Bt::kNTiles][4];
+            // On Hopper with kDpWithS, dP_ij^T = V_j dO_i^T (below) is issued with it.
+            float St[Bt::kMTiles][Bt::kNTiles][4], dPt[Bt::kMTiles][Bt::kNTiles][4];
             if constexpr (Bt::kWgmma) {  // this warpgroup's 64 keys against all of Q_i
-                wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN>(St[0], sK + Bt::row_bytes(64 * (warp / 4)), sQ_i);
+                const unsigned group_rows = Bt::row_bytes(64 * (warp / 4));
+                wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN, false>(St[0], sK + group_rows, sQ_i);
+                if constexpr (kDpWithS)
+                    wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN, false>(dPt[0], sV + group_rows, sdO_i);
+                wgmma_wait<kDpWithS ? 1 : 0>();  // S^T (dP^T may still run)
+                fence_operands(St[0]);
             } else {
                 zero(St);
                 gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
@@ -281,16 +297,20 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4];
             to_a_fragments<Op>(St, Pt);
             if (Bt::kWarpsQ > 1) store_a_fragments<kPStride>(sPt_warp + warp_queries * 2, Pt, f);
-            if constexpr (Bt::kWgmma)
-                wgmma_ab_rs<Bt, Bt::kBlockM>(dV[0], Pt[0], sdO_i);
+            if constexpr (Bt::kWgmma)  // kOverlap: left running while dS^T is formed
+                wgmma_ab_rs<Bt, Bt::kBlockM, !kOverlap>(dV[0], Pt[0], sdO_i);
             else
                 gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
                     dV, Pt, sdO_i + (warp_queries * kStride + warp_cols) * 2, lane);
 
             // dP_ij^T = V_j dO_i^T, then dS_ij^T = P^T ∘ (dP^T - D_i) in place.
-            float dPt[Bt::kMTiles][Bt::kNTiles][4];
             if constexpr (Bt::kWgmma) {
-                wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN>(dPt[0], sV + Bt::row_bytes(64 * (warp / 4)), sdO_i);
+                if constexpr (kDpWithS) {
+                    wgmma_wait<1>();  // dP^T (batches complete in order; dV_j's may still run)
+                } else {  // (waits for dV_j's product too)
+                    wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN>(dPt[0], sV + Bt::row_bytes(64 * (warp / 4)), sdO_i);
+                }
+                fence_operands(dPt[0]);
             } else {
                 zero(dPt);
                 gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
@@ -320,7 +340,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             to_a_fragments<Op>(dPt, dSt);
             if constexpr (Bt::kWgmma) {
                 store_a_fragments_swizzled<Bt, Bt::kBlockN>(sdSt, dSt[0], warp_keys, f);
-                wgmma_ab_rs<Bt, Bt::kBlockM>(dK[0], dSt[0], sQ_i);
+                wgmma_ab_rs<Bt, Bt::kBlockM, !kOverlap>(dK[0], dSt[0], sQ_i);  // kOverlap: waited for below
             } else {
                 store_a_fragments<kPStride>(sdSt_warp + warp_queries * 2, dSt, f);
                 gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
@@ -347,6 +367,15 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             mma_other_queries<Bt>(dK, sdSt_warp, sQ_i, wq, warp_cols, lane);
             if (params.dq_accum != nullptr && !dq_first)
                 add_dq_share<Bt, kScoreMod>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane);
+            if constexpr (Bt::kWgmma && kOverlap) {
+                // dV_j's and dK_j's products have read Q_i, dO_i and dS^T before the next step's
+                // barrier lets those buffers be refilled (dQ's wgmma waited for them already when
+                // the atomic mode ran it).
+                wgmma_wait<0>();
+                fence_operands(dV[0]);
+                fence_operands(dK[0]);
+                fence_operands(dSt[0]);
+            }
         }
         __syncthreads();  // every warp is done with this head's last Q_i, dO_i before the next head's land
     }

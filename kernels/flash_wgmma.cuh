@@ -2,7 +2,9 @@
 // traits say kWgmma: tiles are 128-byte-swizzled [head dim / 64][rows][64] panels
 // (SwizzledTileLayout), a warpgroup multiplies 64 rows of its tile, and each of its warps holds 16
 // of those rows in mma.sync's fragment layout, so masks, softmax and stores are the mma.sync
-// kernels' own. Each product is issued, committed and waited for at once.
+// kernels' own. Each product is issued and committed as one batch; by default it is also waited
+// for at once. With kWait = false the caller waits (wgmma_wait, then fence_operands on C) and may
+// issue other products or work on other registers meanwhile, the tensor cores running behind it.
 #pragma once
 #include "flash_tc.cuh"
 #include "wgmma.cuh"
@@ -14,7 +16,7 @@ namespace cupyflash {
 // and dP^T = V_j dO_i^T in the backward. Both are K-major (head dim contiguous). Step ks reads
 // columns 16·ks.. of both tiles: panel ks / 4, 32 bytes into its (swizzled) rows; the first step
 // overwrites C.
-template <typename Tt, int kN, int kRowsA, int kTiles>
+template <typename Tt, int kN, int kRowsA, bool kWait = true, int kTiles>
 __device__ __forceinline__ void wgmma_abt(float (&C)[kTiles][4], unsigned sA_rows, unsigned sB) {
     const unsigned long long a_desc = smem_descriptor(sA_rows, 16, kSwizzleAtomBytes);
     const unsigned long long b_desc = smem_descriptor(sB, 16, kSwizzleAtomBytes);
@@ -26,15 +28,17 @@ __device__ __forceinline__ void wgmma_abt(float (&C)[kTiles][4], unsigned sA_row
                                                      descriptor_at(b_desc, panel * Tt::row_bytes(kN) + step_bytes), ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(C);
+    if constexpr (kWait) {
+        wgmma_wait<0>();
+        fence_operands(C);
+    }
 }
 
 // C += A B, A from registers (the warp's 16 rows, kRowsB / 16 k16 steps of A fragments), B a
 // [kRowsB][head dim] tile read MN-major: O_i += P_ij V_j in the forward, dV_j += P^T dO_i and
 // dK_j += dS^T Q_i in the backward. Each k16 step is an m64 n64 k16 product per 64-column panel
 // of B (16 of its rows: 16 rows of 128 bytes).
-template <typename Tt, int kRowsB>
+template <typename Tt, int kRowsB, bool kWait = true>
 __device__ __forceinline__ void wgmma_ab_rs(float (&C)[Tt::kHeadDim / 8][4], unsigned (&A)[kRowsB / 16][4], unsigned sB) {
     const unsigned long long b_desc = smem_descriptor(sB, Tt::row_bytes(kRowsB), kSwizzleAtomBytes);
     fence_operands(C);  // C's rescale and A are written before the fence
@@ -48,8 +52,10 @@ __device__ __forceinline__ void wgmma_ab_rs(float (&C)[Tt::kHeadDim / 8][4], uns
                 C, A[ks], descriptor_at(b_desc, kPanel * Tt::row_bytes(kRowsB) + Tt::row_bytes(16 * ks)), 1);
         });
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(C);
+    if constexpr (kWait) {
+        wgmma_wait<0>();
+        fence_operands(C);
+    }
 }
 
 // C = A^T B over kRowsK rows, both stored with those rows as rows and read MN-major: A^T 64
