@@ -87,6 +87,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         load_tile_async<Kt, Kt::kBlockN>(sV, v + col0 * params.v_row_stride, params.v_row_stride, keys_valid,
                                          params.head_dim);
         cp_async_commit();
+        // Block-sparse at one block per SM (Hopper d128, the mma.sync tiles), where no other
+        // block's work hides it: the next K_j's first column is read from the mask here, its
+        // latency passing behind S_ij and the softmax rather than stalling the K_j prefetch. (At
+        // Hopper d64's three blocks per SM the register it holds meanwhile spilled 8 bytes in the
+        // non-local build.)
+        constexpr bool kEarlyIndex = kIsBlockSparse && Kt::kMinBlocksPerSm == 1;
+        const int early_next = kEarlyIndex && t + 1 < key_blocks.end ? key_blocks[t + 1] * Kt::kBlockN : 0;
 
         float S[Kt::kMTiles][Kt::kNTiles][4];
         // (The mma.sync products stay written out here: called through a wrapper, NVRTC scheduled
@@ -120,7 +127,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
         tiles_landed<Kt>();  // V_j has landed; every warp is done reading K_j
         if (t + 1 < key_blocks.end) {
-            const int next = kIsBlockSparse ? key_blocks[t + 1] * Kt::kBlockN : col0 + Kt::kBlockN;
+            const int next = kEarlyIndex ? early_next
+                             : kIsBlockSparse ? key_blocks[t + 1] * Kt::kBlockN : col0 + Kt::kBlockN;
             next_col0 = next;
             load_tile_async<Kt, Kt::kBlockN>(sK, k + next * params.k_row_stride, params.k_row_stride,
                                              min(Kt::kBlockN, params.seqlen_k - next), params.head_dim);
