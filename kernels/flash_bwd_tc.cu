@@ -173,7 +173,8 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     // running while the warp goes on (waited for at the end of the step), and kDpWithS issues
     // dP^T together with S^T, so the tensor cores compute it while the warp works out P^T.
     // kDpWithS needs S^T and dP^T in registers at once: taken where they are 32 each (64 queries
-    // per step); at 128 queries (64 each, d64) it measured 2% slower than waiting. The d128
+    // per step); at 128 queries (64 each, d64) it measured 2-7% slower than issuing dP^T after
+    // P^T (benchmarks/results/H100-2026-11-24-bwd-overlap-ab.txt). The d128
     // score-modifier builds hold P^T ∘ dx besides and wait for each product at once (overlapped,
     // the variable-length one spilled at 255 registers, sm_90a).
     constexpr bool kOverlap = !(kScoreMod && Bt::kHeadDim >= 128);
