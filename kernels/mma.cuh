@@ -51,6 +51,12 @@ __device__ __forceinline__ void store_shared_16(unsigned dst, const void* x) {
 __device__ __forceinline__ void store_shared_4(unsigned dst, unsigned x) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst), "r"(x) : "memory");
 }
+__device__ __forceinline__ uint4 load_shared_16(unsigned src) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src)
+                 : "memory");
+    return v;
+}
 
 // Four 8x8 b16 matrices; lanes 8m..8m+7 give the row addresses of matrix m, and each thread gets
 // (row g, cols 2t, 2t+1) of every matrix (with .trans: (rows 2t, 2t+1, col g)).
