@@ -383,53 +383,52 @@ __device__ __forceinline__ void store_fragments(typename NumericTraits<Element>:
         }
 }
 
-// A warp's 16 rows of C (one m16 tile of fragments, kCols columns) written in the element type
-// through shared memory: the fragments go to the warp's own 16 x kCols staging tile s_stage, then
-// out as 16-byte row chunks, so that each store instruction writes whole 128-byte lines (the
-// fragments themselves write 4 bytes to each of 8 rows per instruction: on an H100 the d128
-// forward's epilogue took 2.4 us of a block and held the SM's next block back 0.5 us more;
-// benchmarks/NOTES.md, session 22). A row's 16-byte chunk c sits at chunk c ^ (row % 8): the fragment writes (8 rows, one
-// chunk) and the chunk reads (a row's 8 consecutive chunks) then fall on 32 distinct banks.
-// Where the rows are not 16-byte aligned or not all kCols columns are valid, store_fragments.
-template <typename Element, int kCols>
-__device__ __forceinline__ void store_rows_staged(typename NumericTraits<Element>::Storage* g_tile,
-                                                  long long row_stride, int rows_valid, int cols_valid,
-                                                  const float (&C)[1][kCols / 8][4], unsigned s_stage,
-                                                  const Fragment& f, int lane) {
-    static_assert(kCols % 64 == 0, "rows of whole swizzle periods (8 chunks of 16 bytes)");
-    constexpr int kChunks = kCols / 8;
-    const bool chunked = cols_valid >= kCols &&
+// A warp's 16 rows of C (one m16 tile of fragments) written in the element type through a
+// swizzled [kRows][kHeadDim] shared tile of traits Tt (SwizzledTileLayout), rows tile_row0.. of
+// it: the fragments go into the tile, then out as 16-byte row chunks, so that each store
+// instruction writes whole 128-byte lines (the fragments themselves write 4 bytes to each of 8
+// rows per instruction: on an H100 the d128 forward's epilogue took 2.4 us of a block and held the
+// SM's next block back 0.5 us more; benchmarks/NOTES.md, session 22). The tile's swizzle puts the
+// fragment writes (8 rows, one chunk) and the chunk reads on 32 distinct banks. Only this warp's
+// rows are touched, so a __syncwarp orders the two. Where the rows are not 16-byte aligned or not
+// all kHeadDim columns are valid, store_fragments.
+template <typename Tt, int kRows>
+__device__ __forceinline__ void store_rows_staged(typename Tt::Storage* g_tile, long long row_stride, int rows_valid,
+                                                  int cols_valid, const float (&C)[1][Tt::kHeadDim / 8][4],
+                                                  unsigned s_tile, int tile_row0, const Fragment& f, int lane) {
+    constexpr int kChunks = Tt::kHeadDim / 8;  // 16-byte chunks of a row
+    const bool chunked = cols_valid >= Tt::kHeadDim &&
         ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 2)) & 15) == 0;
     if (!chunked) {
-        store_fragments<Element>(g_tile, row_stride, rows_valid, cols_valid, C, 1.f, f);
+        store_fragments<typename Tt::Element>(g_tile, row_stride, rows_valid, cols_valid, C, 1.f, f);
         return;
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int nt = 0; nt < kChunks; ++nt)  // fragment nt: columns 8·nt.., chunk nt of the row
-            store_shared_4(s_stage + (f.g + 8 * h) * kCols * 2 + (nt ^ f.g) * 16 + 4 * f.t,
-                           Mma<Element>::pack(C[0][nt][2 * h], C[0][nt][2 * h + 1]));
+        for (int nt = 0; nt < kChunks; ++nt)  // fragment nt: columns 8·nt.. of rows g, g + 8
+            store_shared_4(s_tile + Tt::template tile_offset<kRows>(tile_row0 + f.g + 8 * h, 8 * nt) + 4 * f.t,
+                           Mma<typename Tt::Element>::pack(C[0][nt][2 * h], C[0][nt][2 * h + 1]));
     __syncwarp();
 #pragma unroll
     for (int i = lane; i < 16 * kChunks; i += 32) {
         const int row = i / kChunks, chunk = i % kChunks;
         if (row < rows_valid)
             *reinterpret_cast<uint4*>(g_tile + row * row_stride + chunk * 8) =
-                load_shared_16(s_stage + row * kCols * 2 + (chunk ^ (row % 8)) * 16);
+                load_shared_16(s_tile + Tt::template tile_offset<kRows>(tile_row0 + row, 8 * chunk));
     }
 }
 
 // The forward's epilogue (Algorithm 1, lines 12-13): O_i / l_i written in the element type,
 // lse_i = m_i·ln2 + ln(l_i).
 // kRescale: O_i times out_scale too (dropout's 1 / (1 - p)), as the scalar epilogue.
-// Hopper (Kt::kWgmma): O_i goes out through s_stage (store_rows_staged), the Q_i tile, which no
-// warp reads any more once every warp has passed the last step's barrier.
+// Hopper (Kt::kWgmma): O_i goes out through the Q_i tile sQ (store_rows_staged), which no warp
+// reads any more once every warp has passed the last step's barrier.
 template <typename Kt, bool kRescale = false>
 __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
                                          const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
                                          int batch_idx, int head_idx, int warp_row0, const Fragment& f,
-                                         float out_scale = 1.f, unsigned s_stage = 0) {
+                                         float out_scale = 1.f, unsigned sQ = 0) {
     float* lse = static_cast<float*>(params.lse) + batch_idx * params.lse_batch_stride +
                  head_idx * params.lse_head_stride;
 #pragma unroll
@@ -454,10 +453,8 @@ __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[
     typename Kt::Storage* o = static_cast<typename Kt::Storage*>(params.o) + batch_idx * params.o_batch_stride +
                               head_idx * params.o_head_stride + warp_row0 * params.o_row_stride;
     if constexpr (Kt::kWgmma) {
-        const int warp = threadIdx.x / 32;
-        store_rows_staged<typename Kt::Element, Kt::kHeadDim>(o, params.o_row_stride, params.seqlen_q - warp_row0,
-                                                              params.head_dim, O, s_stage + warp * 16 * Kt::kHeadDim * 2,
-                                                              f, threadIdx.x % 32);
+        store_rows_staged<Kt, Kt::kBlockM>(o, params.o_row_stride, params.seqlen_q - warp_row0, params.head_dim, O, sQ,
+                                           warp_row0 % Kt::kBlockM, f, threadIdx.x % 32);
     } else {
         store_fragments<typename Kt::Element>(o, params.o_row_stride, params.seqlen_q - warp_row0, params.head_dim, O,
                                               1.f, f);
