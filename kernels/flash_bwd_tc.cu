@@ -387,7 +387,19 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                   kv_head * params.dk_head_stride + warp_key0 * params.dk_row_stride + warp_cols;
     Storage* dv = static_cast<Storage*>(params.dv) + k_batch * params.dv_batch_stride +
                   kv_head * params.dv_head_stride + warp_key0 * params.dv_row_stride + warp_cols;
-    if constexpr (kScoreMod) {  // dropout's 1 / (1 - p) on both
+    if constexpr (Bt::kWgmma) {
+        // Hopper: dK_j and dV_j go out through the K_j and V_j tiles as whole row chunks
+        // (store_rows_staged), as the forward's O_i. No warp reads those tiles after the last
+        // step; the barrier also covers a block that saw no query block, whose K_j, V_j copies
+        // only the wait above has seen land, and for this thread alone.
+        __syncthreads();
+        const float dk_scale = static_cast<float>(kScoreMod ? params.scale * params.dropout_rescale : params.scale);
+        const float dv_scale = kScoreMod ? static_cast<float>(params.dropout_rescale) : 1.f;
+        store_rows_staged<Bt, Bt::kBlockN>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
+                                           params.head_dim - warp_cols, dK, sK, warp_keys, f, lane, dk_scale);
+        store_rows_staged<Bt, Bt::kBlockN>(dv, params.dv_row_stride, params.seqlen_k - warp_key0,
+                                           params.head_dim - warp_cols, dV, sV, warp_keys, f, lane, dv_scale);
+    } else if constexpr (kScoreMod) {  // dropout's 1 / (1 - p) on both
         const float rescale = static_cast<float>(params.dropout_rescale);
         store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
                                               params.head_dim - warp_cols, dK,

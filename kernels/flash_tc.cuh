@@ -391,16 +391,17 @@ __device__ __forceinline__ void store_fragments(typename NumericTraits<Element>:
 // SM's next block back 0.5 us more; benchmarks/NOTES.md, session 22). The tile's swizzle puts the
 // fragment writes (8 rows, one chunk) and the chunk reads on 32 distinct banks. Only this warp's
 // rows are touched, so a __syncwarp orders the two. Where the rows are not 16-byte aligned or not
-// all kHeadDim columns are valid, store_fragments.
+// all kHeadDim columns are valid, store_fragments. C is written times scale.
 template <typename Tt, int kRows>
 __device__ __forceinline__ void store_rows_staged(typename Tt::Storage* g_tile, long long row_stride, int rows_valid,
                                                   int cols_valid, const float (&C)[1][Tt::kHeadDim / 8][4],
-                                                  unsigned s_tile, int tile_row0, const Fragment& f, int lane) {
+                                                  unsigned s_tile, int tile_row0, const Fragment& f, int lane,
+                                                  float scale = 1.f) {
     constexpr int kChunks = Tt::kHeadDim / 8;  // 16-byte chunks of a row
     const bool chunked = cols_valid >= Tt::kHeadDim &&
         ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 2)) & 15) == 0;
     if (!chunked) {
-        store_fragments<typename Tt::Element>(g_tile, row_stride, rows_valid, cols_valid, C, 1.f, f);
+        store_fragments<typename Tt::Element>(g_tile, row_stride, rows_valid, cols_valid, C, scale, f);
         return;
     }
 #pragma unroll
@@ -408,7 +409,7 @@ __device__ __forceinline__ void store_rows_staged(typename Tt::Storage* g_tile, 
 #pragma unroll
         for (int nt = 0; nt < kChunks; ++nt)  // fragment nt: columns 8·nt.. of rows g, g + 8
             store_shared_4(s_tile + Tt::template tile_offset<kRows>(tile_row0 + f.g + 8 * h, 8 * nt) + 4 * f.t,
-                           Mma<typename Tt::Element>::pack(C[0][nt][2 * h], C[0][nt][2 * h + 1]));
+                           Mma<typename Tt::Element>::pack(C[0][nt][2 * h] * scale, C[0][nt][2 * h + 1] * scale));
     __syncwarp();
 #pragma unroll
     for (int i = lane; i < 16 * kChunks; i += 32) {
