@@ -120,7 +120,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
                 for_dropped<false, Kt::kMTiles, Kt::kNTiles>(dropout, warp_row0, col0, f,
                                                              [&](int mt, int nt, int i) { S[mt][nt][i] = 0.f; });
         } else {
-            online_softmax_tc<Kt>(S, O, m, l, scale_log2);
+            // Lazy rescaling (online_softmax_tc) where other blocks on the SM work through the
+            // vote's branch: Hopper d64, three blocks per SM. (Its local builds spill 12-56 bytes
+            // with it.)
+            constexpr bool kLazy = Kt::kWgmma && Kt::kMinBlocksPerSm > 1 && !kIsLocal;
+            online_softmax_tc<Kt, kLazy>(S, O, m, l, scale_log2);
         }
         unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
         to_a_fragments<Op>(S, P);

@@ -129,6 +129,31 @@ def test_agrees_with_the_mma_sync_kernel(rng, hopper, dtype):
     assert float(cupy.abs(lse - lse_mma).max()) <= 1e-5 * max(1.0, float(cupy.abs(lse_mma).max()))
 
 
+@pytest.mark.parametrize("head_dim", [40, 64])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_maxima_that_rise_drift_and_fall(rng, nan_outputs, hopper, dtype, head_dim):
+    """The d64 forward rescales O_i, l_i lazily (online_softmax_tc's kLazy): only when a row's
+    maximum rises more than 8 (log2 units) above the one it uses. Scores here carry a ramp along
+    the keys, per head: rising 20 per 128 keys (a rescale every step), rising 6 (the old maximum
+    kept over steps, P_ij up to 2^8), falling 20, and none; dense and block-sparse."""
+    import cupy
+
+    batch, seqlen_q, seqlen_k, heads = 1, 300, 1000, 4
+    dt = numpy_dtype(dtype)
+    scale = head_dim**-0.5
+    q, k, v = (rng.standard_normal((batch, n, heads, head_dim)) for n in (seqlen_q, seqlen_k, seqlen_k))
+    slopes = numpy.array([20.0, 6.0, -20.0, 0.0]) / numpy.log2(numpy.e)  # natural units per 128 keys
+    q[..., 0] = 1.0
+    k[..., 0] = numpy.arange(seqlen_k)[:, None] / 128 * slopes / scale
+    q, k, v = (cupy.asarray(x.astype(dt)) for x in (q, k, v))
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    assert_matches_reference(q, k, v, out, lse, dtype, False)
+    mask = BlockMask(rng.random((heads, 3, 8)) < 0.6)
+    out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+    assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
+    assert took_hopper(hopper)
+
+
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_windows_and_gqa(rng, nan_outputs, hopper, dtype):
     from test_variants_gpu import run
