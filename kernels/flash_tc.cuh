@@ -227,6 +227,43 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + shfl_xor(x, 2);
 }
 
+// The maximum of fragment row (mt, h) of S, times scale_log2 (the whole row: over its quad).
+template <typename Kt>
+__device__ __forceinline__ float row_max_log2(const float (&S)[Kt::kMTiles][Kt::kNTiles][4], int mt, int h,
+                                              float scale_log2) {
+    float m_tile = neg_inf<float>();
+#pragma unroll
+    for (int nt = 0; nt < Kt::kNTiles; ++nt) m_tile = fmaxf(m_tile, fmaxf(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
+    return quad_max(m_tile) * scale_log2;
+}
+
+// P_ij = exp2(S_ij·scale_log2 - m_safe) in place for fragment row (mt, h); returns this lane's
+// share of the row's sum.
+template <typename Kt>
+__device__ __forceinline__ float exponentiate_row(float (&S)[Kt::kMTiles][Kt::kNTiles][4], int mt, int h,
+                                                  float scale_log2, float m_safe) {
+    float row_sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < Kt::kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float p = exp2f(fmaf(S[mt][nt][2 * h + e], scale_log2, -m_safe));
+            S[mt][nt][2 * h + e] = p;
+            row_sum += p;
+        }
+    return row_sum;
+}
+
+template <typename Kt>
+__device__ __forceinline__ void rescale_row(float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4], int mt, int h,
+                                            float rescale) {
+#pragma unroll
+    for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
+        O[mt][dt][2 * h] *= rescale;
+        O[mt][dt][2 * h + 1] *= rescale;
+    }
+}
+
 // Online softmax (FlashAttention-2, Algorithm 1, lines 9-10) on a warp's fragments: m_i (log2 units), l_i (a per-lane
 // partial sum, reduced in the epilogue: FA2's deferred reduction) and the rescale of O_i. S is
 // overwritten with P.
@@ -250,11 +287,7 @@ __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kN
         for (int mt = 0; mt < Kt::kMTiles; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float m_tile = neg_inf<float>();
-#pragma unroll
-                for (int nt = 0; nt < Kt::kNTiles; ++nt)
-                    m_tile = fmaxf(m_tile, fmaxf(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
-                m_new[mt][h] = fmaxf(m[mt][h], quad_max(m_tile) * scale_log2);
+                m_new[mt][h] = fmaxf(m[mt][h], row_max_log2<Kt>(S, mt, h, scale_log2));
                 grows |= m_new[mt][h] > m[mt][h] + kLazyRescaleLog2;  // (-inf + 8 = -inf: a first finite max grows)
             }
         if (__any_sync(0xffffffffu, grows)) {
@@ -266,11 +299,7 @@ __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kN
                     const float rescale = exp2f(m[mt][h] - m_safe);
                     m[mt][h] = m_new[mt][h];
                     l[mt][h] *= rescale;
-#pragma unroll
-                    for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
-                        O[mt][dt][2 * h] *= rescale;
-                        O[mt][dt][2 * h + 1] *= rescale;
-                    }
+                    rescale_row<Kt>(O, mt, h, rescale);
                 }
         }
 #pragma unroll
@@ -278,16 +307,7 @@ __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kN
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float m_safe = m[mt][h] == neg_inf<float>() ? 0.f : m[mt][h];
-                float row_sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < Kt::kNTiles; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float p = exp2f(fmaf(S[mt][nt][2 * h + e], scale_log2, -m_safe));
-                        S[mt][nt][2 * h + e] = p;
-                        row_sum += p;
-                    }
-                l[mt][h] += row_sum;
+                l[mt][h] += exponentiate_row<Kt>(S, mt, h, scale_log2, m_safe);
             }
         return;
     }
@@ -295,30 +315,15 @@ __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kN
     for (int mt = 0; mt < Kt::kMTiles; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float m_tile = neg_inf<float>();
-#pragma unroll
-            for (int nt = 0; nt < Kt::kNTiles; ++nt) m_tile = fmaxf(m_tile, fmaxf(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
-            const float m_new = fmaxf(m[mt][h], quad_max(m_tile) * scale_log2);
+            const float m_new = fmaxf(m[mt][h], row_max_log2<Kt>(S, mt, h, scale_log2));
             // A row with every key masked so far has m_new = -inf; subtracting 0 instead keeps
             // exp2(-inf - (-inf)) = NaN out, and its probabilities come out exactly 0.
             const float m_safe = m_new == neg_inf<float>() ? 0.f : m_new;
             const float rescale = exp2f(m[mt][h] - m_safe);
             m[mt][h] = m_new;
-            float row_sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < Kt::kNTiles; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = exp2f(fmaf(S[mt][nt][2 * h + e], scale_log2, -m_safe));
-                    S[mt][nt][2 * h + e] = p;
-                    row_sum += p;
-                }
+            const float row_sum = exponentiate_row<Kt>(S, mt, h, scale_log2, m_safe);
             l[mt][h] = l[mt][h] * rescale + row_sum;
-#pragma unroll
-            for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
-                O[mt][dt][2 * h] *= rescale;
-                O[mt][dt][2 * h + 1] *= rescale;
-            }
+            rescale_row<Kt>(O, mt, h, rescale);
         }
 }
 
