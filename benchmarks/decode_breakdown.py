@@ -51,9 +51,9 @@ def main():
         res["call"] = graph_ms(step, bench, 0.3)
         real = _attention._launch
 
-        def launch(kernel, device_id, grid, params):
+        def launch(kernel, device_id, grid, params, *more):
             if "flash_decode_tc" not in kernel.name_expression:
-                real(kernel, device_id, grid, params)
+                real(kernel, device_id, grid, params, *more)
 
         _attention._launch = launch
         try:

@@ -7,7 +7,7 @@ import functools
 
 import numpy
 
-from cupyflash import _arrays, _dropout, _instantiations, _validation, reference
+from cupyflash import _arrays, _dropout, _instantiations, _tma, _validation, reference
 
 
 def gpu_available() -> bool:
@@ -404,7 +404,9 @@ def _params(dtype: numpy.dtype, fields: dict) -> numpy.ndarray:
     return params
 
 
-def _launch(kernel, device_id: int, grid, params: numpy.ndarray) -> None:
+def _launch(kernel, device_id: int, grid, params: numpy.ndarray, *more: numpy.ndarray) -> None:
+    """Launches `kernel` with its parameter struct (`more`: byte images of further by-value
+    arguments, such as the forward's tensor maps)."""
     import cupy.cuda.function
 
     from cupyflash import _compile
@@ -412,9 +414,9 @@ def _launch(kernel, device_id: int, grid, params: numpy.ndarray) -> None:
     function = _compile.get_function(kernel, device_id)  # raises ValueError if it cannot fit
     # The struct goes by address: CuPy's by-value path for a NumPy record rebuilds its
     # __array_interface__ (the whole field description) on every launch, about 50 us for BwdParams.
-    # `params` outlives the call, and the launch copies the bytes.
-    argument = cupy.cuda.function.CPointer(params.ctypes.data)
-    function(grid, (kernel.num_threads,), (argument,), shared_mem=kernel.smem_bytes)
+    # The arrays outlive the call, and the launch copies the bytes.
+    arguments = tuple(cupy.cuda.function.CPointer(x.ctypes.data) for x in (params, *more))
+    function(grid, (kernel.num_threads,), arguments, shared_mem=kernel.smem_bytes)
 
 
 @functools.cache
@@ -451,16 +453,20 @@ def wgmma_for(p: _validation.AttentionProblem, device_id: int) -> bool:
     return _instantiations.WGMMA_FORWARD_BY_DEFAULT and _uses_wgmma(p, device_id)
 
 
-def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None):
+def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None, tma=None):
     """The traits table's forward kernel: the tensor-core kernel where `tensor_cores_for` allows
     it, unless tensor_cores=False; among those the Hopper one where `wgmma_for` allows it, or with
-    wgmma=True."""
+    wgmma=True; that one's TMA build where it has one, unless tma=False or CUPYFLASH_HOPPER_TMA=0
+    (`_instantiations.TMA_FORWARD_BY_DEFAULT`)."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
     if wgmma is None:
         wgmma = tensor_cores and wgmma_for(p, device_id)
+    if tma is None:
+        tma = _instantiations.TMA_FORWARD_BY_DEFAULT
     return _instantiations.fwd_kernel(
-        p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None, p.modified, p.varlen, wgmma
+        p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None, p.modified, p.varlen, wgmma,
+        wgmma and tma,
     )
 
 
@@ -470,15 +476,25 @@ def launch_forward(
     """Launches the forward kernel on CuPy's current stream; arrays (and a block mask's block
     size) must already be validated.
 
-    `kernel` (an _instantiations.FwdKernel, TcFwdKernel or WgmmaFwdKernel) defaults to `forward_kernel`'s."""
+    `kernel` (an _instantiations.FwdKernel, TcFwdKernel or WgmmaFwdKernel) defaults to `forward_kernel`'s.
+    A TMA build becomes its cp.async twin where K's or V's layout has no tensor map (_tma.py)."""
     kernel = kernel or forward_kernel(p, q.device.id, tensor_cores, wgmma)
     fields = {"lse": lse.data.ptr}
     fields["lse_batch_stride"], fields["lse_head_stride"] = _row_statistics_strides(p)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         _pointer_and_strides(fields, name, x)
     keep_alive = _problem_fields(fields, p, q.device.id)  # noqa: F841 - until the launch is queued
+    more = ()  # flash_fwd_tc.cu's kernels also take K's and V's tensor maps (KvTensorMaps)
+    if kernel.source_file == "flash_fwd_tc.cu":
+        maps = None
+        if getattr(kernel, "tma", False):
+            dims = (p.batch, p.seqlen_k, p.heads // p.kv_group)
+            maps = _tma.kv_tensor_maps(fields, dims, p.dtype_name, p.head_dim, kernel.tile.block_n)
+            if maps is None:
+                kernel = _instantiations.cp_async_twin(kernel)
+        more = (_tma.NO_MAPS if maps is None else maps,)
     params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
-    _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params)
+    _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params, *more)
 
 
 # --------------------------------------------------------------------------- dropout

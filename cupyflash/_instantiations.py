@@ -153,19 +153,30 @@ def _row_stride(dtype_name: str, columns: int) -> int:
 @functools.cache  # on every call's launch path: one object per instantiation, its properties cached
 def fwd_kernel(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, block_sparse: bool = False,
-    score_mod: bool = False, varlen: bool = False, wgmma: bool = False,
+    score_mod: bool = False, varlen: bool = False, wgmma: bool = False, tma: bool = False,
 ):
     """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), or
     WgmmaFwdKernel with wgmma too (Hopper; head dims padded to WGMMA_HEAD_DIMS), else FwdKernel; its
     local instantiation for causal or windowed attention, its block-sparse one with block_sparse,
     its score-modifier one (softcap, ALiBi; local) with score_mod, its variable-length one (local,
-    score modifiers, dense) with varlen."""
+    score modifiers, dense) with varlen. tma (with wgmma): the TMA build where one exists (dense or
+    block-sparse at TMA_FORWARD_HEAD_DIMS); the launch falls back to the cp.async build for arrays
+    a tensor map cannot describe."""
     _check_tensor_core_dtype(dtype_name, tensor_cores or wgmma)
     if wgmma and padded_head_dim(head_dim) not in WGMMA_HEAD_DIMS:
         raise ValueError(f"the Hopper forward kernel takes head dims padded to {WGMMA_HEAD_DIMS}, not {head_dim}")
     kind = WgmmaFwdKernel if wgmma else TcFwdKernel if tensor_cores else FwdKernel
     local, sparse, mod, var = _variant_flags(local, block_sparse, score_mod, varlen)
-    return kind(dtype_name, padded_head_dim(head_dim), local, block_sparse=sparse, score_mod=mod, varlen=var)
+    padded = padded_head_dim(head_dim)
+    if wgmma and tma and not (local or mod or var) and padded in TMA_FORWARD_HEAD_DIMS:
+        return WgmmaFwdKernel(dtype_name, padded, local, block_sparse=sparse, tma=True)
+    return kind(dtype_name, padded, local, block_sparse=sparse, score_mod=mod, varlen=var)
+
+
+@functools.cache
+def cp_async_twin(kernel: WgmmaFwdKernel) -> WgmmaFwdKernel:
+    """A TMA build's cp.async build: the same instantiation otherwise."""
+    return dataclasses.replace(kernel, tma=False)
 
 
 def _variant_flags(local, block_sparse, score_mod, varlen) -> tuple:
@@ -672,6 +683,11 @@ WGMMA_COMPUTE_CAPABILITY = 90
 # attention() takes it on sm_90 unless CUPYFLASH_HOPPER_FORWARD=0 is set (then the mma.sync
 # kernel serves, as on other GPUs); tests and benchmarks can pick either explicitly (`wgmma=`).
 WGMMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_FORWARD", "1") != "0"
+# The Hopper forward's TMA builds (kTma: K_j, V_j copied by the tensor memory accelerator, one
+# thread asking per tile): dense and block-sparse, not local, at these padded head dims; taken
+# where the arrays' layout allows a tensor map (cupyflash/_tma.py), unless CUPYFLASH_HOPPER_TMA=0.
+TMA_FORWARD_HEAD_DIMS = (64, 128)
+TMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_TMA", "1") != "0"
 
 # Tiles timed by benchmarks/tune_tc.py --forward-only on an H100 (b2 s8192, both dtypes, causal and
 # not; benchmarks/NOTES.md, session 16). d64: one warpgroup of 64 rows, three blocks per SM, whose
@@ -695,13 +711,28 @@ def wgmma_fwd_tile_shape(padded_head_dim: int) -> TcTileShape:
 @dataclasses.dataclass(frozen=True)
 class WgmmaFwdKernel(_TcKernel):
     """kernels/flash_fwd_tc.cu's flash_fwd_tc_kernel with the Hopper traits (wgmma products; sm_90a):
-    one block per query block."""
+    one block per query block. tma: the kTma build (TMA_FORWARD_HEAD_DIMS; dense or block-sparse,
+    not local), which takes K's and V's tensor maps."""
+
+    tma: bool = False
 
     source_file = "flash_fwd_tc.cu"
     kernel_name = "flash_fwd_tc_kernel"
     traits_name = "WgmmaFwdTraits"
     arch = WGMMA_ARCH
     compile_options = (f"--gpu-architecture={WGMMA_ARCH}",)
+
+    def __post_init__(self):
+        if self.tma and (self.local or self.score_mod or self.varlen or self.head_dim not in TMA_FORWARD_HEAD_DIMS):
+            raise ValueError(f"the Hopper forward's TMA builds are dense or block-sparse, not local, at head dims "
+                             f"{TMA_FORWARD_HEAD_DIMS}; not {self}")
+
+    @functools.cached_property
+    def name_expression(self) -> str:
+        if not self.tma:
+            return _TiledKernel.name_expression.func(self)
+        sparse = "true" if self.block_sparse else "false"
+        return f"cupyflash::{self.kernel_name}<{self.traits}, false, {sparse}, false, false, true>"
 
     @functools.cached_property
     def tile(self) -> TcTileShape:
@@ -771,6 +802,11 @@ def all_wgmma_kernels() -> list:
         for dtype_name in TENSOR_CORE_DTYPES
         for d in WGMMA_HEAD_DIMS
         for local, sparse, mod, var in _variants()
+    ] + [
+        WgmmaFwdKernel(dtype_name, d, False, block_sparse=sparse, tma=True)
+        for dtype_name in TENSOR_CORE_DTYPES
+        for d in TMA_FORWARD_HEAD_DIMS
+        for sparse in (False, True)
     ]
 
 

@@ -7,7 +7,8 @@
 //     rows per warpgroup (flash_wgmma.cuh);
 //   - P_ij never leaves registers: its accumulator tile is rounded to 16 bits and used directly as
 //     the A operand of P V (so P is rounded to the input type, as in every fused 16-bit kernel);
-//   - K_j and V_j stream in through cp.async, each loaded while the other is being used;
+//   - K_j and V_j stream in through cp.async (or, in the Hopper TMA builds, the copy engine), each
+//     loaded while the other is being used;
 //   - scores stay unscaled in the products; scale·log2(e) is folded into exp2's argument.
 // Either way a warp holds whole rows of S_ij and O_i in mma.sync's fragment layout, so the online
 // softmax, masks, score modifiers, dropout and epilogue are one code.
@@ -20,8 +21,15 @@ namespace cupyflash {
 // instantiated with kIsLocal only, whose band arithmetic covers the unmasked problem too (a band as
 // wide as the score matrix).
 // kVarlen: a variable-length batch (sequence_params; with kIsLocal and kScoreMod only).
-template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
-__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_tc_kernel(const FwdParams launch_params) {
+// kTma (Hopper): K_j and V_j come by the TMA, through `maps` (unused otherwise), one thread asking
+// for each tile and every thread waiting on the tile's mbarrier, instead of 16-byte cp.async copies
+// by every thread: the copies and their address arithmetic were a quarter of the d64 loop's
+// instructions, and that kernel is bound by instruction issue. Dense and block-sparse, not local.
+template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false,
+          bool kTma = false>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
+    flash_fwd_tc_kernel(const FwdParams launch_params, const __grid_constant__ KvTensorMaps maps) {
+    static_assert(!kTma || (Kt::kWgmma && !kIsLocal && !kScoreMod && !kVarlen), "TMA builds: Hopper, dense or block-sparse");
     using Storage = typename Kt::Storage;
     using Op = typename Kt::Op;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -65,13 +73,33 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     // (Dense and not local, the first tile is written as the dense kernel always had it, 0:
     // indexing the dense sequence means the same, yet NVRTC then schedules the whole loop differently.)
     int next_col0 = 0;  // block-sparse: the next K_j's first column, read from the mask once
+    // kTma: K_j's and V_j's mbarriers, and the parity of the phase this iteration waits for.
+    unsigned k_landed = 0, v_landed = 0, phase = 0;
+    if constexpr (kTma) {
+        __shared__ alignas(8) unsigned long long barriers[2];
+        k_landed = smem_address(&barriers[0]), v_landed = smem_address(&barriers[1]);
+        if (threadIdx.x == 0) {
+            mbarrier_init(k_landed, 1);
+            mbarrier_init(v_landed, 1);
+            fence_mbarrier_init();
+        }
+        __syncthreads();
+    }
     if (key_blocks.begin < key_blocks.end) {
         const int first = kIsBlockSparse || kIsLocal ? key_blocks[key_blocks.begin] * Kt::kBlockN : 0;
         next_col0 = first;
+        if constexpr (kTma)
+            load_tile_tma<Kt, Kt::kBlockN>(sK, maps.k, k_landed, first, kv_head, k_batch);
         load_tile_async<Kt, Kt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
-        load_tile_async<Kt, Kt::kBlockN>(sK, k + first * params.k_row_stride, params.k_row_stride,
-                                         min(Kt::kBlockN, params.seqlen_k - first), params.head_dim);
+        if constexpr (!kTma)
+            load_tile_async<Kt, Kt::kBlockN>(sK, k + first * params.k_row_stride, params.k_row_stride,
+                                             min(Kt::kBlockN, params.seqlen_k - first), params.head_dim);
         cp_async_commit();
+        if constexpr (kTma) {
+            // Q_i is the only cp.async copy: published at the first K_j's barrier.
+            cp_async_wait<0>();
+            fence_proxy_async();
+        }
     }
     const float scale_log2 = static_cast<float>(params.scale_log2);
     const auto mod = score_mod<kScoreMod, float>(params, batch_idx, head_idx);
@@ -83,10 +111,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         if (!kIsBlockSparse && t < key_blocks.begin) continue;
         const int col0 = kIsBlockSparse ? next_col0 : key_blocks[t] * Kt::kBlockN;
         const int keys_valid = min(Kt::kBlockN, params.seqlen_k - col0);
-        tiles_landed<Kt>();  // K_j (and Q_i) have landed; every warp is done reading V_{j-1}
-        load_tile_async<Kt, Kt::kBlockN>(sV, v + col0 * params.v_row_stride, params.v_row_stride, keys_valid,
-                                         params.head_dim);
-        cp_async_commit();
+        // K_j (and Q_i) have landed; every warp is done reading V_{j-1}.
+        if constexpr (kTma) {
+            tma_tile_landed(k_landed, phase);
+            load_tile_tma<Kt, Kt::kBlockN>(sV, maps.v, v_landed, col0, kv_head, k_batch);
+        } else {
+            tiles_landed<Kt>();
+            load_tile_async<Kt, Kt::kBlockN>(sV, v + col0 * params.v_row_stride, params.v_row_stride, keys_valid,
+                                             params.head_dim);
+            cp_async_commit();
+        }
         // Block-sparse at one block per SM (Hopper d128, the mma.sync tiles), where no other
         // block's work hides it: the next K_j's first column is read from the mask here, its
         // latency passing behind S_ij and the softmax rather than stalling the K_j prefetch. (At
@@ -129,15 +163,23 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
         to_a_fragments<Op>(S, P);
 
-        tiles_landed<Kt>();  // V_j has landed; every warp is done reading K_j
+        // V_j has landed; every warp is done reading K_j.
+        if constexpr (kTma)
+            tma_tile_landed(v_landed, phase);
+        else
+            tiles_landed<Kt>();
         if (t + 1 < key_blocks.end) {
             const int next = kEarlyIndex ? early_next
                              : kIsBlockSparse ? key_blocks[t + 1] * Kt::kBlockN : col0 + Kt::kBlockN;
             next_col0 = next;
-            load_tile_async<Kt, Kt::kBlockN>(sK, k + next * params.k_row_stride, params.k_row_stride,
-                                             min(Kt::kBlockN, params.seqlen_k - next), params.head_dim);
+            if constexpr (kTma)
+                load_tile_tma<Kt, Kt::kBlockN>(sK, maps.k, k_landed, next, kv_head, k_batch);
+            else
+                load_tile_async<Kt, Kt::kBlockN>(sK, k + next * params.k_row_stride, params.k_row_stride,
+                                                 min(Kt::kBlockN, params.seqlen_k - next), params.head_dim);
         }
-        cp_async_commit();
+        if constexpr (!kTma) cp_async_commit();
+        phase ^= 1;
         if constexpr (Kt::kWgmma)
             wgmma_ab_rs<Kt, Kt::kBlockN>(O[0], P[0], sV);
         else

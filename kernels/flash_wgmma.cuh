@@ -93,6 +93,34 @@ __device__ __forceinline__ void store_a_fragments_swizzled(unsigned s_tile, cons
     fence_proxy_async();
 }
 
+// K_j's and V_j's tensor maps, for the Hopper forward's TMA builds: 4-D (head dim, keys, K/V
+// heads, batch), boxes of one 64-column panel by a tile's rows, 128-byte swizzle, rows past the
+// keys read as zeros (cupyflash/_tma.py makes them).
+struct KvTensorMaps {
+    TensorMap k, v;
+};
+static_assert(sizeof(KvTensorMaps) == 256, "cupyflash/_tma.py passes 2 x 128 bytes");
+
+// Thread 0 asks the TMA for a [kRows][head dim] tile of (head, batch)'s rows row0..: one box per
+// 64-column panel, all counted on `barrier`'s current phase.
+template <typename Tt, int kRows>
+__device__ __forceinline__ void load_tile_tma(unsigned s_tile, const TensorMap& map, unsigned barrier, int row0,
+                                              int head, int batch) {
+    if (threadIdx.x == 0) {
+        mbarrier_arrive_expect_tx(barrier, Tt::row_bytes(kRows) * Tt::kPanels);
+#pragma unroll
+        for (int panel = 0; panel < Tt::kPanels; ++panel)
+            tma_load_4d(s_tile + panel * Tt::row_bytes(kRows), map, barrier, panel * kPanelColumns, row0, head, batch);
+    }
+}
+
+// Waits for a tile the TMA brings (its barrier's phase of this parity) and, behind the block
+// barrier, for every warp to be done with the tiles read before it.
+__device__ __forceinline__ void tma_tile_landed(unsigned barrier, unsigned parity) {
+    mbarrier_wait(barrier, parity);
+    __syncthreads();
+}
+
 // Waits for this thread's tile copies and publishes them to the block: behind the barrier every
 // thread's copies have landed (and every warp is done with the tiles read before it). Tiles
 // wgmma reads pass from the threads' (generic) view to the tensor cores' (async proxy) view first.

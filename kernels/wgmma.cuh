@@ -68,6 +68,55 @@ __device__ __forceinline__ void fence_operands(unsigned (&a)[kTiles][4]) {
         for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[j][i])::"memory");
 }
 
+// The tensor memory accelerator (TMA): one thread asks for a whole tile, which the copy engine
+// writes to shared memory in the 128-byte swizzle wgmma reads, rows past the tensor's end as zeros.
+// It is described by a tensor map (CUtensorMap, 128 opaque bytes made on the host by
+// cuTensorMapEncodeTiled) that must stay in parameter, constant or global memory: a kernel
+// parameter marked __grid_constant__. The copy's bytes are counted against an mbarrier in shared
+// memory: the issuing thread arrives on it announcing how many bytes will land (expect_tx), and the
+// phase completes when they all have; threads wait on the phase's parity, which flips with each
+// completion.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void mbarrier_init(unsigned barrier, unsigned arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(arrivals) : "memory");
+}
+// Makes initialised mbarriers visible to the async proxy (the copy engine) before a barrier
+// publishes them to the block.
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// The calling thread's arrival on `barrier`, announcing `bytes` more bytes to land in this phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned barrier, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool mbarrier_try_wait(unsigned barrier, unsigned parity) {
+    unsigned done;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(barrier), "r"(parity)
+                 : "memory");
+    return done != 0;
+}
+// Waits until the phase of `barrier` with this parity has completed; its copies are then visible
+// to the calling thread.
+__device__ __forceinline__ void mbarrier_wait(unsigned barrier, unsigned parity) {
+    while (!mbarrier_try_wait(barrier, parity)) {
+    }
+}
+// Copies the box of `map` at element coordinates (c0 innermost .. c3) to shared address `dst`
+// (1024-byte aligned for the 128-byte swizzle), counted against `barrier`.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap& map, unsigned barrier, int c0, int c1,
+                                            int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(barrier)
+        : "memory");
+}
+
 // f(Index<i>()) for i = kBegin..kEnd-1: a loop whose index is a template argument.
 template <int kI> struct Index {
     static constexpr int value = kI;

@@ -10,7 +10,7 @@ import sys
 import numpy
 import pytest
 
-from cupyflash import _compile, _instantiations
+from cupyflash import BlockMask, _compile, _instantiations
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy's NVRTC bindings are needed")
 ARCHS = ["sm_80", "sm_90a"]
@@ -259,3 +259,61 @@ def test_kernel_tables_are_memoised_with_the_fresh_figures(pick):
         assert fresh is not kernel and fresh == kernel and hash(fresh) == hash(kernel)
         for name in ("name_expression", "tile", "smem_bytes", "num_threads"):
             assert getattr(fresh, name) == getattr(kernel, name)
+
+
+@pytest.mark.parametrize("head_dim,causal,sparse,tma", [
+    (64, False, False, True), (40, False, True, True), (112, False, False, True), (128, False, True, True),
+    (64, True, False, False), (128, True, True, False), (160, False, False, False),
+])
+def test_the_hopper_forward_takes_its_tma_builds_where_they_exist(monkeypatch, head_dim, causal, sparse, tma):
+    """Dense and block-sparse, not local, at TMA_FORWARD_HEAD_DIMS; tma=False and
+    CUPYFLASH_HOPPER_TMA=0 (TMA_FORWARD_BY_DEFAULT) take the cp.async build, its twin."""
+    from cupyflash import _attention, _validation
+
+    monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: 90)
+    monkeypatch.setattr(_instantiations, "WGMMA_FORWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(_instantiations, "TMA_FORWARD_BY_DEFAULT", True)
+    q = numpy.zeros((1, 300, 2, head_dim), _validation.BFLOAT16)
+    p = _validation.check_attention_args(q, q, q, causal=causal, scale=None, return_lse=True)
+    if sparse:
+        p = _validation.check_block_mask(BlockMask(numpy.ones((1, 3, 3), bool)), p)
+    kernel = _attention.forward_kernel(p, 0)
+    assert getattr(kernel, "tma", False) == tma
+    everything = _instantiations.all_kernels("sm_90a")
+    assert kernel in everything
+    if tma:
+        twin = _instantiations.cp_async_twin(kernel)
+        assert twin in everything and not twin.tma and twin.block_sparse == sparse
+        assert twin == _attention.forward_kernel(p, 0, tma=False)
+        assert kernel.name_expression.endswith(f"{str(sparse).lower()}, false, false, true>")
+        monkeypatch.setattr(_instantiations, "TMA_FORWARD_BY_DEFAULT", False)
+        assert _attention.forward_kernel(p, 0) == twin
+
+
+def test_tma_builds_are_never_local():
+    for flags in ({"local": True}, {"local": True, "score_mod": True}):
+        with pytest.raises(ValueError, match="TMA builds"):
+            _instantiations.WgmmaFwdKernel("bfloat16", 64, block_sparse=False, tma=True, **flags)
+    with pytest.raises(ValueError, match="TMA builds"):
+        _instantiations.WgmmaFwdKernel("bfloat16", 256, False, tma=True)
+
+
+@pytest.mark.parametrize("pointer,strides,dims,ok", [
+    (4096, (384000, 384, 64), (2, 1000, 6), True),      # contiguous d64, 16-bit: 768-byte rows
+    (4096 + 2, (384000, 384, 64), (2, 1000, 6), False),  # 2 bytes off alignment
+    (4096, (354000, 354, 59), (2, 1000, 6), False),      # d59: 708-byte rows
+    (4096, (0, 128, 64), (1, 1000, 2), True),            # one batch entry: its stride does not matter
+    (4096, (0, 128, 64), (2, 1000, 2), False),           # a broadcast batch (stride 0)
+    (4096, (256000, -128, 64), (2, 1000, 2), False),     # keys reversed
+    (4096, (256000, 128, 40), (2, 1000, 2), True),       # d40 heads, 80 bytes apart
+    (4096, (256000, 128, 36), (2, 1000, 2), False),      # heads 72 bytes apart
+])
+def test_tensor_maps_describe_aligned_layouts_only(pointer, strides, dims, ok):
+    from cupyflash import _tma
+
+    assert _tma.describable(pointer, 2, strides, dims) == ok
+    if not ok:  # no tensor map is made (nor the driver asked): the launch takes the cp.async build
+        fields = {"k": pointer, "v": 4096, "v_batch_stride": 256000, "v_row_stride": 128, "v_head_stride": 64}
+        fields.update(zip(("k_batch_stride", "k_row_stride", "k_head_stride"), strides))
+        assert _tma.kv_tensor_maps(fields, dims, "bfloat16", 64, 128) is None
+    assert _tma.NO_MAPS.nbytes == 2 * _tma.TENSOR_MAP_BYTES == 256  # sizeof(KvTensorMaps), static_assert'ed

@@ -23,9 +23,9 @@ def launched(monkeypatch):
     kernels = []
     real = _attention._launch
 
-    def recording(kernel, device_id, grid, params):
+    def recording(kernel, device_id, grid, params, *more):
         kernels.append(kernel)
-        return real(kernel, device_id, grid, params)
+        return real(kernel, device_id, grid, params, *more)
 
     monkeypatch.setattr(_attention, "_launch", recording)
     return kernels

@@ -45,10 +45,10 @@ def hopper(request, monkeypatch):
     monkeypatch.setattr(inst, "WGMMA_BACKWARD_BY_DEFAULT", launched.backward)
     real = _attention._launch
 
-    def recording(kernel, device_id, grid, params):
+    def recording(kernel, device_id, grid, params, *more):
         if "Fwd" in type(kernel).__name__ or isinstance(kernel, inst.TcBwdDkdvKernel):
             launched.append(kernel)
-        return real(kernel, device_id, grid, params)
+        return real(kernel, device_id, grid, params, *more)
 
     monkeypatch.setattr(_attention, "_launch", recording)
     return launched
@@ -208,4 +208,77 @@ def test_varlen(rng, nan_outputs, hopper, dtype):
 
     run_varlen(rng, dtype, ([1, 300, 0, 700], [17, 129, 5, 700]), 4, 2, 128, causal=True)
     run_varlen(rng, dtype, ([129, 64, 5], [300, 64, 0]), 2, 2, 40, window=(33, 10), softcap=4.0, strided=True)
+    assert took_hopper(hopper)
+
+
+# The TMA builds (kTma: K_j, V_j copied by the tensor memory accelerator; dense and block-sparse,
+# not local). Seqlen_k ending inside a key block and one key (rows past the keys zero-filled by the
+# copy engine), head dims 40 and 112 (columns past the head dim likewise), GQA, batch > 1 with
+# heads interleaved in a wider array (strides that are not the contiguous ones).
+TMA_SHAPES = [(2, 70, 1, 4, 2, 64), (2, 203, 331, 4, 2, 40), (1, 300, 1029, 2, 1, 64), (3, 129, 257, 2, 2, 112),
+              (1, 515, 700, 4, 4, 128)]
+
+
+def _tma_inputs(rng, dtype, shape):
+    import cupy
+
+    batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim = shape
+    dt = numpy_dtype(dtype)
+    q = cupy.asarray(rng.standard_normal((batch, seqlen_q, heads, head_dim)).astype(dt))
+    wide = cupy.asarray(rng.standard_normal((2, batch, seqlen_k, 2 * heads_kv, head_dim)).astype(dt))
+    k, v = wide[0, :, :, 1::2], wide[1, :, :, ::2]
+    return q, k, v
+
+
+@pytest.mark.parametrize("block_sparse", [False, True])
+@pytest.mark.parametrize("shape", TMA_SHAPES)
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_tma_build_equals_the_cp_async_build(rng, monkeypatch, nan_outputs, hopper, dtype, shape, block_sparse):
+    """Both builds bring the same tiles to shared memory (zeros past the keys and the head dim) and
+    compute the same arithmetic on them: outputs equal bit for bit, and within the reference's
+    tolerance."""
+    from shapes import bits
+
+    q, k, v = _tma_inputs(rng, dtype, shape)
+    assert not k.flags.c_contiguous
+    mask = None
+    if block_sparse:
+        mask = BlockMask(rng.random((shape[3], -(-shape[1] // 128), -(-shape[2] // 128))) < 0.6)
+
+    def forward():
+        if mask is None:
+            return cupyflash.attention(q, k, v, return_lse=True)
+        return cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+
+    out, lse = forward()
+    assert hopper[-1].tma and hopper[-1].block_sparse == block_sparse
+    assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
+    monkeypatch.setattr(inst, "TMA_FORWARD_BY_DEFAULT", False)
+    out_cp, lse_cp = forward()
+    assert not hopper[-1].tma and inst.cp_async_twin(hopper[-2]) == hopper[-1]
+    assert (bits(out.get()) == bits(out_cp.get())).all()
+    assert (bits(lse.get()) == bits(lse_cp.get())).all()
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_tma_falls_back_where_no_tensor_map_fits(rng, nan_outputs, hopper, dtype):
+    """K or V 2 bytes off 16-byte alignment, rows of 59 or 111 elements (118, 222 bytes: not
+    multiples of 16): no tensor map describes them, so the cp.async build serves."""
+    import cupy
+
+    dt = numpy_dtype(dtype)
+    buf = cupy.asarray(rng.standard_normal(300 * 2 * 64 + 1).astype(dt))
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 1, 300, 300, 2, 64))
+    misaligned = buf[1:].reshape(1, 300, 2, 64)
+    for args in ((q, misaligned, v), (q, k, misaligned)):
+        out, lse = cupyflash.attention(*args, return_lse=True)
+        assert not hopper[-1].tma
+        assert_matches_reference(*args, out, lse, dtype, False)
+    for head_dim in (59, 111):
+        args = [cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 113, 203, 3, head_dim)]
+        out, lse = cupyflash.attention(*args, return_lse=True)
+        assert not hopper[-1].tma
+        assert_matches_reference(*args, out, lse, dtype, False)
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    assert hopper[-1].tma
     assert took_hopper(hopper)

@@ -1,0 +1,100 @@
+"""Tensor maps for the Hopper forward's TMA builds (kernels/flash_fwd_tc.cu, kTma).
+
+A tensor map (CUDA's CUtensorMap: 128 opaque bytes) tells the tensor memory accelerator how a
+tensor lies in global memory and which box one copy brings to shared memory. The driver makes it
+(`cuTensorMapEncodeTiled`, reached through ctypes: CuPy does not wrap it); the kernel takes K's and
+V's as one 256-byte `KvTensorMaps` argument.
+
+Each map is 4-D, innermost first: (head dim, keys, K/V heads, batch), with the arrays' own byte
+strides, so strided views need no copy. A box is one 64-column panel (128 bytes, the widest the
+128-byte swizzle allows) by a key block's rows; keys past seqlen_k, and columns past the head dim,
+read as zeros. TMA needs a 16-byte-aligned base and strides that are positive multiples of 16
+bytes: `kv_tensor_maps` returns None for arrays outside that (odd head dims' rows, some views), and
+those problems keep the cp.async kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy
+
+# cuda.h's enumerators.
+_DATA_TYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements read as zeros
+
+TENSOR_MAP_BYTES = 128
+PANEL_COLUMNS = 64  # 16-bit elements in a 128-byte swizzled panel row (flash_tc_traits.cuh)
+
+# What kernels without TMA receive for the argument they ignore.
+NO_MAPS = numpy.zeros(2 * TENSOR_MAP_BYTES, numpy.uint8)
+
+
+@functools.cache
+def _encode_tiled():
+    lib = ctypes.CDLL("libcuda.so.1")
+    encode = lib.cuTensorMapEncodeTiled
+    u64_4, u64_3, u32_4 = ctypes.c_uint64 * 4, ctypes.c_uint64 * 3, ctypes.c_uint32 * 4
+    encode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64_4, u64_3, u32_4, u32_4,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    encode.restype = ctypes.c_int
+    return encode, u64_4, u64_3, u32_4
+
+
+def describable(pointer: int, itemsize: int, strides: tuple[int, int, int], dims: tuple[int, int, int]) -> bool:
+    """Whether TMA can describe a (batch, keys, heads, head dim) array: pointer 16-byte aligned and,
+    for each of batch, keys and heads with more than one entry, a positive byte stride that is a
+    multiple of 16 and below 2^40. `strides` and `dims` are (batch, row, head) in elements."""
+    if pointer % 16:
+        return False
+    return all(n == 1 or (0 < s * itemsize < 1 << 40 and s * itemsize % 16 == 0) for s, n in zip(strides, dims))
+
+
+def _tensor_map(pointer: int, dtype_name: str, head_dim: int, strides: tuple, dims: tuple, box_rows: int) -> bytes:
+    """One map: `strides` and `dims` are (batch, row, head) in elements, head_dim the true head dim."""
+    encode, u64_4, u64_3, u32_4 = _encode_tiled()
+    itemsize = 2
+    batch, rows, heads = dims
+    # A dimension of one entry has no stride that matters; TMA still wants a valid one.
+    byte_strides = [s * itemsize if n > 1 else 16 for s, n in zip(strides, dims)]
+    out = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 64)
+    address = ctypes.addressof(out)
+    aligned = address + (-address % 64)  # CUtensorMap is 64-byte aligned
+    status = encode(
+        aligned, _DATA_TYPE[dtype_name], 4, pointer,
+        u64_4(head_dim, rows, heads, batch),
+        u64_3(byte_strides[1], byte_strides[2], byte_strides[0]),
+        u32_4(PANEL_COLUMNS, box_rows, 1, 1),
+        u32_4(1, 1, 1, 1),
+        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS,
+    )
+    if status != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status}")
+    return ctypes.string_at(aligned, TENSOR_MAP_BYTES)
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_tensor_maps(k: int, k_strides: tuple, v: int, v_strides: tuple, dims: tuple, dtype_name: str, head_dim: int,
+                    box_rows: int) -> numpy.ndarray | None:
+    if not (describable(k, 2, k_strides, dims) and describable(v, 2, v_strides, dims)):
+        return None
+    maps = b"".join(_tensor_map(pointer, dtype_name, head_dim, strides, dims, box_rows)
+                    for pointer, strides in ((k, k_strides), (v, v_strides)))
+    return numpy.frombuffer(maps, numpy.uint8).copy()
+
+
+def kv_tensor_maps(fields: dict, dims: tuple[int, int, int], dtype_name: str, head_dim: int,
+                   box_rows: int) -> numpy.ndarray | None:
+    """K's and V's maps (256 bytes, KvTensorMaps' layout), boxes of box_rows keys, from the launch's
+    FwdParams fields (pointers, element strides) and dims = (batch, seqlen_k, K/V heads); None where
+    TMA cannot describe them (`describable`). Cached on those integers (on every forward call's
+    path): a map holds no reference to the memory it describes."""
+    return _kv_tensor_maps(
+        fields["k"], (fields["k_batch_stride"], fields["k_row_stride"], fields["k_head_stride"]),
+        fields["v"], (fields["v_batch_stride"], fields["v_row_stride"], fields["v_head_stride"]),
+        dims, dtype_name, head_dim, box_rows,
+    )
