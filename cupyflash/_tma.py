@@ -9,8 +9,8 @@ Each map is 4-D, innermost first: (head dim, keys, K/V heads, batch), with the a
 strides, so strided views need no copy. A box is one 64-column panel (128 bytes, the widest the
 128-byte swizzle allows) by a key block's rows; keys past seqlen_k, and columns past the head dim,
 read as zeros. TMA needs a 16-byte-aligned base and strides that are positive multiples of 16
-bytes: `kv_tensor_maps` returns None for arrays outside that (odd head dims' rows, some views), and
-those problems keep the cp.async kernel.
+bytes: `kv_tensor_maps` returns None for arrays outside that (odd head dims' rows, some views), or
+that the driver declines, and those problems keep the cp.async kernel.
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ def describable(pointer: int, itemsize: int, strides: tuple[int, int, int], dims
     return all(n == 1 or (0 < s * itemsize < 1 << 40 and s * itemsize % 16 == 0) for s, n in zip(strides, dims))
 
 
-def _tensor_map(pointer: int, dtype_name: str, head_dim: int, strides: tuple, dims: tuple, box_rows: int) -> bytes:
-    """One map: `strides` and `dims` are (batch, row, head) in elements, head_dim the true head dim."""
+def _tensor_map(pointer: int, dtype_name: str, head_dim: int, strides: tuple, dims: tuple,
+                box_rows: int) -> bytes | None:
+    """One map: `strides` and `dims` are (batch, row, head) in elements, head_dim the true head dim.
+    None where the driver declines it (a rule `describable` does not know)."""
     encode, u64_4, u64_3, u32_4 = _encode_tiled()
     itemsize = 2
     batch, rows, heads = dims
@@ -72,9 +74,7 @@ def _tensor_map(pointer: int, dtype_name: str, head_dim: int, strides: tuple, di
         u32_4(1, 1, 1, 1),
         _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS,
     )
-    if status != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status}")
-    return ctypes.string_at(aligned, TENSOR_MAP_BYTES)
+    return ctypes.string_at(aligned, TENSOR_MAP_BYTES) if status == 0 else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -82,9 +82,11 @@ def _kv_tensor_maps(k: int, k_strides: tuple, v: int, v_strides: tuple, dims: tu
                     box_rows: int) -> numpy.ndarray | None:
     if not (describable(k, 2, k_strides, dims) and describable(v, 2, v_strides, dims)):
         return None
-    maps = b"".join(_tensor_map(pointer, dtype_name, head_dim, strides, dims, box_rows)
-                    for pointer, strides in ((k, k_strides), (v, v_strides)))
-    return numpy.frombuffer(maps, numpy.uint8).copy()
+    maps = [_tensor_map(pointer, dtype_name, head_dim, strides, dims, box_rows)
+            for pointer, strides in ((k, k_strides), (v, v_strides))]
+    if None in maps:
+        return None
+    return numpy.frombuffer(b"".join(maps), numpy.uint8).copy()
 
 
 def kv_tensor_maps(fields: dict, dims: tuple[int, int, int], dtype_name: str, head_dim: int,

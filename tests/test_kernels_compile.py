@@ -317,3 +317,30 @@ def test_tensor_maps_describe_aligned_layouts_only(pointer, strides, dims, ok):
         fields.update(zip(("k_batch_stride", "k_row_stride", "k_head_stride"), strides))
         assert _tma.kv_tensor_maps(fields, dims, "bfloat16", 64, 128) is None
     assert _tma.NO_MAPS.nbytes == 2 * _tma.TENSOR_MAP_BYTES == 256  # sizeof(KvTensorMaps), static_assert'ed
+
+
+def test_a_tensor_map_the_driver_declines_means_the_cp_async_build(monkeypatch):
+    """cuTensorMapEncodeTiled's rules go beyond `describable`'s: a map it declines (a nonzero
+    CUresult) makes kv_tensor_maps answer None, as for a misaligned array, not an error."""
+    import ctypes
+
+    from cupyflash import _tma
+
+    calls = []
+
+    def declining(*args):
+        calls.append(args)
+        return 1  # CUDA_ERROR_INVALID_VALUE
+
+    u64_4, u64_3, u32_4 = ctypes.c_uint64 * 4, ctypes.c_uint64 * 3, ctypes.c_uint32 * 4
+    monkeypatch.setattr(_tma, "_encode_tiled", lambda: (declining, u64_4, u64_3, u32_4))
+    _tma._kv_tensor_maps.cache_clear()
+    try:
+        fields = {"k": 4096, "v": 8192, "k_batch_stride": 64000, "k_row_stride": 128, "k_head_stride": 64,
+                  "v_batch_stride": 64000, "v_row_stride": 128, "v_head_stride": 64}
+        assert _tma.kv_tensor_maps(fields, (2, 500, 2), "bfloat16", 64, 128) is None
+        assert len(calls) == 2 and calls[0][1] == 9 and calls[0][2] == 4  # bfloat16, 4-D
+        assert list(calls[0][4]) == [64, 500, 2, 2] and list(calls[0][5]) == [256, 128, 128000]
+        assert list(calls[0][6]) == [64, 128, 1, 1]
+    finally:
+        _tma._kv_tensor_maps.cache_clear()
