@@ -79,7 +79,8 @@ def padded_head_dim(head_dim: int) -> int:
 class _TiledKernel:
     """What the tiled kernels share. Their traits' template arguments are the element type, the
     padded head dim and the tile shape's fields in declaration order; the kernel's are the traits,
-    local, block_sparse and, only when set, score_mod and varlen. local: the instantiation that
+    local, block_sparse, then score_mod, varlen and tma (WgmmaFwdKernel's TMA builds) up to the last
+    one set. local: the instantiation that
     skips and masks outside a band of keys (causal, sliding-window attention, both); block_sparse:
     the one that walks a block mask's lists (the dense one compiles to the same code as before
     block-sparse attention existed); score_mod: softcap and ALiBi on the scores (always with local,
@@ -101,7 +102,10 @@ class _TiledKernel:
 
     @functools.cached_property
     def name_expression(self) -> str:
-        flags = (self.local, self.block_sparse) + ((True,) if self.score_mod else ()) + ((True,) if self.varlen else ())
+        # The kernel's flag parameters past the first two default to false: those left unset are left out.
+        flags = [self.local, self.block_sparse, self.score_mod, self.varlen, getattr(self, "tma", False)]
+        while len(flags) > 2 and not flags[-1]:
+            flags.pop()
         flags = ", ".join("true" if flag else "false" for flag in flags)
         return f"cupyflash::{self.kernel_name}<{self.traits}, {flags}>"
 
@@ -726,13 +730,6 @@ class WgmmaFwdKernel(_TcKernel):
         if self.tma and (self.local or self.score_mod or self.varlen or self.head_dim not in TMA_FORWARD_HEAD_DIMS):
             raise ValueError(f"the Hopper forward's TMA builds are dense or block-sparse, not local, at head dims "
                              f"{TMA_FORWARD_HEAD_DIMS}; not {self}")
-
-    @functools.cached_property
-    def name_expression(self) -> str:
-        if not self.tma:
-            return _TiledKernel.name_expression.func(self)
-        sparse = "true" if self.block_sparse else "false"
-        return f"cupyflash::{self.kernel_name}<{self.traits}, false, {sparse}, false, false, true>"
 
     @functools.cached_property
     def tile(self) -> TcTileShape:
