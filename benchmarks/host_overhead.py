@@ -31,9 +31,12 @@ def main(argv=None):
     rs = cupy.random.default_rng(0)
     q, k, v, dout = (rs.standard_normal((1, 128, 2, 128), dtype=numpy.float32).astype(BFLOAT16) for _ in range(4))
     out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    mask = cupyflash.BlockMask(numpy.ones((2, 1, 1), bool))
     calls = {
         "attention": lambda: cupyflash.attention(q, k, v, return_lse=True),
         "attention_backward": lambda: cupyflash.attention_backward(dout, q, k, v, out, lse),
+        "block_sparse fwd": lambda: cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True),
+        "block_sparse bwd": lambda: cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask),
     }
     try:
         import torch
@@ -54,7 +57,7 @@ def main(argv=None):
             profile = cProfile.Profile()
             profile.runcall(lambda: [fn() for _ in range(500)])
             text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(10)
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
             print(text.getvalue())
     return 0
 

@@ -491,7 +491,7 @@ def launch_forward(
             dims = (p.batch, p.seqlen_k, p.heads // p.kv_group)
             maps = _tma.kv_tensor_maps(fields, dims, p.dtype_name, p.head_dim, kernel.tile.block_n)
             if maps is None:
-                kernel = _instantiations.cp_async_twin(kernel)
+                kernel = _instantiations.without_tma(kernel)
         more = (_tma.NO_MAPS if maps is None else maps,)
     params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
     _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params, *more)
@@ -779,17 +779,22 @@ def _backward_gpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
     return dq, dk, dv
 
 
-def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None) -> tuple:
+def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None,
+                     tma=None) -> tuple:
     """The traits table's (dK/dV kernel, deterministic dQ kernel) for the problem on this device:
     the Hopper dK/dV kernel where `_uses_wgmma` allows it and it is switched on
-    (`_instantiations.WGMMA_BACKWARD_BY_DEFAULT`), or with wgmma=True."""
+    (`_instantiations.WGMMA_BACKWARD_BY_DEFAULT`), or with wgmma=True; that one's TMA build where
+    it has one and the dQ sums are atomic, unless tma=False or CUPYFLASH_HOPPER_TMA=0
+    (`_instantiations.TMA_BACKWARD_BY_DEFAULT`)."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
     if wgmma is None:
         wgmma = tensor_cores and _instantiations.WGMMA_BACKWARD_BY_DEFAULT and _uses_wgmma(p, device_id)
+    if tma is None:
+        tma = _instantiations.TMA_BACKWARD_BY_DEFAULT
     return _instantiations.bwd_kernels(
         p.dtype_name, p.head_dim, p.local, tensor_cores, large_shared_memory(device_id), p.block_mask is not None,
-        p.modified, p.varlen, wgmma,
+        p.modified, p.varlen, wgmma, wgmma and tma and not p.deterministic,
     )
 
 
@@ -798,7 +803,9 @@ def launch_backward(
 ) -> None:
     """Launches the backward kernels on CuPy's current stream, writing dq, dk, dv (any strides,
     head_dim contiguous); arrays must already be validated. tensor_cores and wgmma as in
-    `backward_kernels`; `kernels` (dK/dV kernel, dQ kernel) overrides the traits table's pair (for tuning)."""
+    `backward_kernels`; `kernels` (dK/dV kernel, dQ kernel) overrides the traits table's pair (for tuning).
+    A TMA build of the dK/dV kernel becomes its atomic twin where the dQ workspace has no tensor map
+    (_tma.py), and in deterministic mode (no workspace)."""
     import cupy
 
     if p.batch == 0 or p.heads == 0:  # nothing to launch over
@@ -826,8 +833,18 @@ def launch_backward(
 
     def launch(kernel):
         grid = kernel.grid(p.batch, p.heads // p.kv_group if kernel.per_kv_head else p.heads, p.seqlen_q, p.seqlen_k)
-        if grid[0] > 0:  # seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do
-            _launch(kernel, device_id, grid, params)
+        if grid[0] == 0:  # seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do
+            return
+        more = ()  # flash_bwd_tc.cu's dK/dV kernels also take dq_accum's tensor map
+        if isinstance(kernel, _instantiations.TcBwdDkdvKernel):
+            dq_map = None
+            if getattr(kernel, "tma", False):
+                if dq_accum is not None and p.cu_seqlens is None:
+                    dq_map = _tma.dq_tensor_map(dq_accum.data.ptr, (p.batch, p.seqlen_q, p.heads), p.head_dim)
+                if dq_map is None:
+                    kernel = _instantiations.without_tma(kernel)
+            more = (_tma.NO_MAP if dq_map is None else dq_map,)
+        _launch(kernel, device_id, grid, params, *more)
 
     dkdv_kernel, dq_kernel = kernels or backward_kernels(p, device_id, tensor_cores, wgmma)
     launch(_instantiations.BwdRowKernel("preprocess", p.dtype_name))

@@ -79,7 +79,7 @@ def padded_head_dim(head_dim: int) -> int:
 class _TiledKernel:
     """What the tiled kernels share. Their traits' template arguments are the element type, the
     padded head dim and the tile shape's fields in declaration order; the kernel's are the traits,
-    local, block_sparse, then score_mod, varlen and tma (WgmmaFwdKernel's TMA builds) up to the last
+    local, block_sparse, then score_mod, varlen and tma (the Hopper kernels' TMA builds) up to the last
     one set. local: the instantiation that
     skips and masks outside a band of keys (causal, sliding-window attention, both); block_sparse:
     the one that walks a block mask's lists (the dense one compiles to the same code as before
@@ -178,8 +178,9 @@ def fwd_kernel(
 
 
 @functools.cache
-def cp_async_twin(kernel: WgmmaFwdKernel) -> WgmmaFwdKernel:
-    """A TMA build's cp.async build: the same instantiation otherwise."""
+def without_tma(kernel):
+    """A TMA build's twin without TMA (WgmmaFwdKernel: cp.async copies; WgmmaBwdDkdvKernel: atomic dQ
+    adds): the same instantiation otherwise."""
     return dataclasses.replace(kernel, tma=False)
 
 
@@ -393,11 +394,14 @@ BWD_ROW_STEPS = ("preprocess", "convert_dq")
 def bwd_kernels(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, large_smem: bool = False,
     block_sparse: bool = False, score_mod: bool = False, varlen: bool = False, wgmma: bool = False,
+    tma: bool = False,
 ):
     """(dK/dV kernel, deterministic dQ kernel) for a problem; with tensor_cores (16-bit dtypes
     only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels, its dK/dV tile for
     an H100's shared memory with large_smem (`tc_dkdv_tile_shape`); with wgmma too the Hopper
-    dK/dV kernel (head dims padded to WGMMA_HEAD_DIMS) beside the mma.sync dQ kernel;
+    dK/dV kernel (head dims padded to WGMMA_HEAD_DIMS) beside the mma.sync dQ kernel, and with
+    tma its TMA build where one exists (no score modifiers, not varlen): the launch falls back to
+    the atomic build where the dQ workspace has no tensor map, and in deterministic mode;
     block_sparse, score_mod and varlen as `fwd_kernel`."""
     _check_tensor_core_dtype(dtype_name, tensor_cores or wgmma)
     d = padded_head_dim(head_dim)
@@ -405,7 +409,8 @@ def bwd_kernels(
         raise ValueError(f"the Hopper backward kernel takes head dims padded to {WGMMA_HEAD_DIMS}, not {head_dim}")
     local, sparse, mod, var = _variant_flags(local, block_sparse, score_mod, varlen)
     if wgmma:
-        return (WgmmaBwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var),
+        return (WgmmaBwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var,
+                                   tma=tma and not (mod or var)),
                 TcBwdDqKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var))
     if tensor_cores and var and d == 224:
         d = 256  # see tc_dkdv_tile_shape
@@ -692,6 +697,10 @@ WGMMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_FORWARD", "1") != "0
 # where the arrays' layout allows a tensor map (cupyflash/_tma.py), unless CUPYFLASH_HOPPER_TMA=0.
 TMA_FORWARD_HEAD_DIMS = (64, 128)
 TMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_TMA", "1") != "0"
+# The Hopper dK/dV kernel's TMA builds (kTma: dQ_i's shares added to the float32 workspace by the
+# TMA instead of atomics): every variant without score modifiers, at both Hopper head dims; the same
+# switch turns them off.
+TMA_BACKWARD_BY_DEFAULT = TMA_FORWARD_BY_DEFAULT
 
 # Tiles timed by benchmarks/tune_tc.py --forward-only on an H100 (b2 s8192, both dtypes, causal and
 # not; benchmarks/NOTES.md, session 16). d64: one warpgroup of 64 rows, three blocks per SM, whose
@@ -767,11 +776,24 @@ def wgmma_dkdv_tile_shape(padded_head_dim: int, score_mod: bool = False) -> TcDk
 @dataclasses.dataclass(frozen=True, eq=False)
 class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
     """kernels/flash_bwd_tc.cu's flash_bwd_dkdv_tc_kernel with the Hopper traits (wgmma products;
-    sm_90a): one block per key block."""
+    sm_90a): one block per key block. tma: the kTma build (no score modifiers, not varlen), which
+    adds dQ through the TMA and takes the dQ workspace's tensor map."""
+
+    tma: bool = False
 
     traits_name = "WgmmaBwdDkdvTraits"
     arch = WGMMA_ARCH
     compile_options = (f"--gpu-architecture={WGMMA_ARCH}",)
+
+    def __post_init__(self):
+        if self.tma and (self.score_mod or self.varlen):
+            raise ValueError(f"the Hopper dK/dV kernel's TMA builds have no score modifiers; not {self}")
+
+    def host_checks(self) -> str:
+        if not self.tma:
+            return super().host_checks()
+        return (f"static_assert({self.traits}::kSmemBytesTma == {self.smem_bytes}, "
+                f'"cupyflash/_instantiations.py and {self.traits_name} disagree on shared memory");\n')
 
     @functools.cached_property
     def tile(self) -> TcDkdvTileShape:
@@ -782,8 +804,10 @@ class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
         # Mirrors WgmmaBwdDkdvTraits::kSmemBytes: K_j, V_j, 2 x Q_i, 2 x dO_i, dS^T unpadded,
         # 2 x (lse_i, D_i), and a swizzle period to align the tiles' base.
         t = self.tile
+        # The TMA builds add two stages of one 64 x 64 float32 dQ share per warpgroup.
         tiles = (2 * t.block_n + 4 * t.block_m) * self.head_dim * 2 + t.block_n * t.block_m * 2
-        return tiles + 2 * 2 * t.block_m * 4 + 1024
+        dq_stages = 2 * (t.num_warps // 4) * 64 * 64 * 4 if self.tma else 0
+        return tiles + 2 * 2 * t.block_m * 4 + 1024 + dq_stages
 
 
 def uses_wgmma(dtype_name: str, padded_head_dim: int, compute_capability: int) -> bool:
@@ -803,6 +827,12 @@ def all_wgmma_kernels() -> list:
         WgmmaFwdKernel(dtype_name, d, False, block_sparse=sparse, tma=True)
         for dtype_name in TENSOR_CORE_DTYPES
         for d in TMA_FORWARD_HEAD_DIMS
+        for sparse in (False, True)
+    ] + [
+        WgmmaBwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, tma=True)
+        for dtype_name in TENSOR_CORE_DTYPES
+        for d in WGMMA_HEAD_DIMS
+        for local in (False, True)
         for sparse in (False, True)
     ]
 

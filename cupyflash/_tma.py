@@ -1,16 +1,19 @@
-"""Tensor maps for the Hopper forward's TMA builds (kernels/flash_fwd_tc.cu, kTma).
+"""Tensor maps for the Hopper kernels' TMA builds (kTma): the forward's (kernels/flash_fwd_tc.cu)
+and the dK/dV kernel's (kernels/flash_bwd_tc.cu).
 
 A tensor map (CUDA's CUtensorMap: 128 opaque bytes) tells the tensor memory accelerator how a
-tensor lies in global memory and which box one copy brings to shared memory. The driver makes it
-(`cuTensorMapEncodeTiled`, reached through ctypes: CuPy does not wrap it); the kernel takes K's and
-V's as one 256-byte `KvTensorMaps` argument.
+tensor lies in global memory and which box one copy moves between it and shared memory. The driver
+makes it (`cuTensorMapEncodeTiled`, reached through ctypes: CuPy does not wrap it). The forward
+takes K's and V's as one 256-byte `KvTensorMaps` argument; the dK/dV kernel takes its float32 dQ
+workspace's, into which the TMA adds dQ_i's shares.
 
-Each map is 4-D, innermost first: (head dim, keys, K/V heads, batch), with the arrays' own byte
-strides, so strided views need no copy. A box is one 64-column panel (128 bytes, the widest the
-128-byte swizzle allows) by a key block's rows; keys past seqlen_k, and columns past the head dim,
-read as zeros. TMA needs a 16-byte-aligned base and strides that are positive multiples of 16
-bytes: `kv_tensor_maps` returns None for arrays outside that (odd head dims' rows, some views), or
-that the driver declines, and those problems keep the cp.async kernel.
+Each map is 4-D, innermost first: (head dim, keys or queries, heads, batch), with the arrays' own
+byte strides, so strided views need no copy. K's and V's box is one 64-column panel (128 bytes, the
+widest the 128-byte swizzle allows) by a key block's rows; keys past seqlen_k, and columns past the
+head dim, read as zeros. TMA needs a 16-byte-aligned base and strides that are positive multiples
+of 16 bytes: the map functions return None for arrays outside that (odd head dims' rows, some
+views), or that the driver declines, and those problems keep the build without TMA (cp.async
+copies; atomic dQ adds).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import functools
 import numpy
 
 # cuda.h's enumerators.
-_DATA_TYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+_DATA_TYPE = {"float16": 6, "float32": 7, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _FLOAT32, _BFLOAT16
+_ITEMSIZE = {"float16": 2, "float32": 4, "bfloat16": 2}
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
@@ -30,8 +34,12 @@ _OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements
 TENSOR_MAP_BYTES = 128
 PANEL_COLUMNS = 64  # 16-bit elements in a 128-byte swizzled panel row (flash_tc_traits.cuh)
 
-# What kernels without TMA receive for the argument they ignore.
+DQ_BOX = (32, 64)  # float32 columns (128 bytes) x queries: WgmmaBwdDkdvTraits' dQ boxes
+
+# What kernels without TMA receive for the arguments they ignore: the forward's KvTensorMaps, the
+# dK/dV kernel's map of dq_accum.
 NO_MAPS = numpy.zeros(2 * TENSOR_MAP_BYTES, numpy.uint8)
+NO_MAP = numpy.zeros(TENSOR_MAP_BYTES, numpy.uint8)
 
 
 @functools.cache
@@ -55,11 +63,11 @@ def describable(pointer: int, itemsize: int, strides: tuple[int, int, int], dims
 
 
 def _tensor_map(pointer: int, dtype_name: str, head_dim: int, strides: tuple, dims: tuple,
-                box_rows: int) -> bytes | None:
-    """One map: `strides` and `dims` are (batch, row, head) in elements, head_dim the true head dim.
-    None where the driver declines it (a rule `describable` does not know)."""
+                box: tuple[int, int]) -> bytes | None:
+    """One map: `strides` and `dims` are (batch, row, head) in elements, head_dim the true head dim,
+    box (columns, rows). None where the driver declines it (a rule `describable` does not know)."""
     encode, u64_4, u64_3, u32_4 = _encode_tiled()
-    itemsize = 2
+    itemsize = _ITEMSIZE[dtype_name]
     batch, rows, heads = dims
     # A dimension of one entry has no stride that matters; TMA still wants a valid one.
     byte_strides = [s * itemsize if n > 1 else 16 for s, n in zip(strides, dims)]
@@ -70,7 +78,7 @@ def _tensor_map(pointer: int, dtype_name: str, head_dim: int, strides: tuple, di
         aligned, _DATA_TYPE[dtype_name], 4, pointer,
         u64_4(head_dim, rows, heads, batch),
         u64_3(byte_strides[1], byte_strides[2], byte_strides[0]),
-        u32_4(PANEL_COLUMNS, box_rows, 1, 1),
+        u32_4(box[0], box[1], 1, 1),
         u32_4(1, 1, 1, 1),
         _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS,
     )
@@ -82,7 +90,7 @@ def _kv_tensor_maps(k: int, k_strides: tuple, v: int, v_strides: tuple, dims: tu
                     box_rows: int) -> numpy.ndarray | None:
     if not (describable(k, 2, k_strides, dims) and describable(v, 2, v_strides, dims)):
         return None
-    maps = [_tensor_map(pointer, dtype_name, head_dim, strides, dims, box_rows)
+    maps = [_tensor_map(pointer, dtype_name, head_dim, strides, dims, (PANEL_COLUMNS, box_rows))
             for pointer, strides in ((k, k_strides), (v, v_strides))]
     if None in maps:
         return None
@@ -100,3 +108,22 @@ def kv_tensor_maps(fields: dict, dims: tuple[int, int, int], dtype_name: str, he
         fields["v"], (fields["v_batch_stride"], fields["v_row_stride"], fields["v_head_stride"]),
         dims, dtype_name, head_dim, box_rows,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _dq_tensor_map(pointer: int, dims: tuple, head_dim: int) -> numpy.ndarray | None:
+    batch, rows, heads = dims
+    strides = (rows * heads * head_dim, heads * head_dim, head_dim)
+    if not describable(pointer, 4, strides, dims):
+        return None
+    made = _tensor_map(pointer, "float32", head_dim, strides, dims, DQ_BOX)
+    return None if made is None else numpy.frombuffer(made, numpy.uint8).copy()
+
+
+def dq_tensor_map(pointer: int, dims: tuple[int, int, int], head_dim: int) -> numpy.ndarray | None:
+    """The map of the backward's float32 dQ workspace (dq_accum: contiguous (batch, seqlen_q, heads,
+    head_dim)), through which the Hopper dK/dV kernel's TMA builds add their dQ shares: 4-D like
+    K's, boxes `DQ_BOX`; queries past seqlen_q and columns past head_dim are clipped from the
+    adds. dims = (batch, seqlen_q, heads). None where TMA cannot describe it (a head dim that is
+    not a multiple of 4 leaves rows off 16-byte boundaries). Cached on those integers."""
+    return _dq_tensor_map(pointer, dims, head_dim)

@@ -21,7 +21,9 @@ namespace cupyflash {
 // Q_i (asynchronously) and lse_i·log2(e), D_i for the kBlockM queries of (batch, head) from
 // q_row0. Rows past seqlen_q get lse = +inf, so their P_ij are exactly 0 whatever their (zero)
 // scores. The addresses are formed here from the kernel parameters, not kept across the loop
-// in registers, which the d64-d128 kernels have none to spare for.
+// in registers, which the d64-d128 kernels have none to spare for. (The row statistics' plain
+// loads hold the first warps at their shared-memory stores; copied by cp.async instead, the
+// Hopper d128 dK/dV kernel measured 3-4% slower: benchmarks/NOTES.md, session 25.)
 template <typename Bt>
 __device__ __forceinline__ void load_query_block(const BwdParams& params, unsigned sQ, float* sLse2, float* sD,
                                                  int batch_idx, int head_idx, int q_row0) {
@@ -59,25 +61,66 @@ __device__ __forceinline__ void mma_other_queries(float (&C)[Bt::kMTiles][kNTile
     }
 }
 
+// A warp's 16 rows of a 64 x 64 float32 dQ share (C, times `scale`) into the TMA's two boxes at
+// s_share: [64 rows][32 columns] each, in the 128-byte swizzle (16-byte chunk c of row r at chunk
+// c ^ r % 8), which spreads a warp's eight rows over all the banks.
+template <typename Bt>
+__device__ __forceinline__ void stage_dq_share(unsigned s_share, const float (&C)[kPanelColumns / 8][4], float scale,
+                                               int warp_row0, const Fragment& f) {
+    constexpr int kRowBytes = Bt::kDqBoxColumns * 4, kChunksPerTile = 8 * 4 / 16;
+#pragma unroll
+    for (int nt = 0; nt < kPanelColumns / 8; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = warp_row0 + f.g + 8 * h;
+            const int box = nt * 8 / Bt::kDqBoxColumns;
+            const int chunk = nt % (Bt::kDqBoxColumns / 8) * kChunksPerTile + f.t / 2;
+            store_shared_8(s_share + box * 64 * kRowBytes + row * kRowBytes + (chunk ^ row % 8) * 16 + f.t % 2 * 8,
+                           C[nt][2 * h] * scale, C[nt][2 * h + 1] * scale);
+        }
+}
+
 // Hopper (WgmmaBwdDkdvTraits): dQ_i += scale · dS_ij K_j as 64 x 64 shares, warpgroup w taking
 // shares w, w + kWarpgroups, ...: share s covers queries 64·(s / kPanels).. and head-dim panel
 // s % kPanels, dS from dS^T's panel and K_j's panel (both read MN-major), over all kBlockN keys.
-template <typename Bt, bool kRescale>
-__device__ __forceinline__ void add_dq_shares_wgmma(const BwdParams& params, unsigned sdSt, unsigned sK, int q_row0,
+// Added to dq_accum by atomics, or (kTma, one share per warpgroup) staged in shared memory at
+// sDq_stage and added by the TMA, which one thread of the warpgroup asks for: the adds then run
+// in L2 while the warps go on, where the atomics held each warp's load/store queue.
+template <typename Bt, bool kRescale, bool kTma>
+__device__ __forceinline__ void add_dq_shares_wgmma(const BwdParams& params, const TensorMap& dq_map,
+                                                    unsigned sDq_stage, unsigned sdSt, unsigned sK, int q_row0,
                                                     int batch_idx, int head_idx, int warp, int lane) {
     const long long dq_row_stride = static_cast<long long>(params.heads) * params.head_dim;
     const float scale = static_cast<float>(kRescale ? params.scale * params.dropout_rescale : params.scale);
+    static_assert(!kTma || Bt::kDqShares == Bt::kWarpgroups, "the TMA builds stage one dQ share per warpgroup");
 #pragma unroll 1
     for (int share = warp / 4; share < Bt::kDqShares; share += Bt::kWarpgroups) {
         const int query_panel = share / Bt::kPanels, col_panel = share % Bt::kPanels;
         float dQ[1][kPanelColumns / 8][4];
         wgmma_atb<Bt, Bt::kBlockN>(dQ[0], sdSt + query_panel * Bt::row_bytes(Bt::kBlockN),
                                    sK + col_panel * Bt::row_bytes(Bt::kBlockN));
-        const int dq_row0 = q_row0 + 64 * query_panel + 16 * (warp % 4), dq_col0 = col_panel * kPanelColumns;
-        float* dq_accum = static_cast<float*>(params.dq_accum) + dq_accum_offset(params, batch_idx, dq_row0, head_idx) +
-                          dq_col0;
-        atomic_add_fragments(dq_accum, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0,
-                             dQ, scale, Fragment(lane));
+        if constexpr (kTma) {
+            // The stage's last adds have read it (waited for a step ago, behind the step's barriers).
+            const unsigned s_share = sDq_stage + warp / 4 * Bt::kDqShareBytes;
+            stage_dq_share<Bt>(s_share, dQ[0], scale, 16 * (warp % 4), Fragment(lane));
+            fence_proxy_async();
+            named_barrier_sync(1 + warp / 4, 128);
+            if (threadIdx.x % 128 == 0) {
+#pragma unroll
+                for (int box = 0; box < kPanelColumns / Bt::kDqBoxColumns; ++box)
+                    tma_reduce_add_4d(dq_map, s_share + box * 64 * Bt::kDqBoxColumns * 4,
+                                      col_panel * kPanelColumns + box * Bt::kDqBoxColumns, q_row0 + 64 * query_panel,
+                                      head_idx, batch_idx);
+                bulk_commit_group();
+                bulk_wait_group_read<1>();  // the other stage's adds, for the next step to rewrite it
+            }
+        } else {
+            const int dq_row0 = q_row0 + 64 * query_panel + 16 * (warp % 4), dq_col0 = col_panel * kPanelColumns;
+            float* dq_accum = static_cast<float*>(params.dq_accum) +
+                              dq_accum_offset(params, batch_idx, dq_row0, head_idx) + dq_col0;
+            atomic_add_fragments(dq_accum, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0,
+                                 dQ, scale, Fragment(lane));
+        }
     }
 }
 
@@ -86,11 +129,13 @@ __device__ __forceinline__ void add_dq_shares_wgmma(const BwdParams& params, uns
 // kBlockM x kHeadDimOut tile (TcBwdDkdvTraits::kDqWarpsM x kDqWarpsN), added to the float32
 // workspace with atomics, kDqChunk columns at a time (a whole row slice of dQ_i would sit in
 // registers beside dK_j and dV_j).
-template <typename Bt, bool kRescale = false>
-__device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned sdSt, unsigned sK, int q_row0,
-                                             int col_out0, int batch_idx, int head_idx, int warp, int lane) {
+template <typename Bt, bool kRescale = false, bool kTma = false>
+__device__ __forceinline__ void add_dq_share(const BwdParams& params, const TensorMap& dq_map, unsigned sDq_stage,
+                                             unsigned sdSt, unsigned sK, int q_row0, int col_out0, int batch_idx,
+                                             int head_idx, int warp, int lane) {
     if constexpr (Bt::kWgmma) {
-        add_dq_shares_wgmma<Bt, kRescale>(params, sdSt, sK, q_row0, batch_idx, head_idx, warp, lane);
+        add_dq_shares_wgmma<Bt, kRescale, kTma>(params, dq_map, sDq_stage, sdSt, sK, q_row0, batch_idx, head_idx,
+                                                warp, lane);
         return;
     }
     const int wm = warp % Bt::kDqWarpsM, wn = warp / Bt::kDqWarpsM;
@@ -119,10 +164,13 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned s
 // Shared memory: Bt::kSmemBytes. With GQA/MQA the block walks the query blocks of each query head
 // of its K/V head's group in turn (as the scalar kernel): dK_j, dV_j sum over the group on chip.
 // kScoreMod: softcap, ALiBi and dropout, as in the forward (instantiated with kIsLocal only);
-// kVarlen: a variable-length batch, as in the forward.
-template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>
+// kVarlen: a variable-length batch, as in the forward. kTma (Hopper, neither of those): dQ_i's
+// shares are added by the TMA through dq_map, a 4-D map of dq_accum (head dim, queries, heads,
+// batch; cupyflash/_tma.py), which the other builds take and ignore.
+template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false,
+          bool kTma = false>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
-    flash_bwd_dkdv_tc_kernel(const BwdParams launch_params) {
+    flash_bwd_dkdv_tc_kernel(const BwdParams launch_params, const __grid_constant__ TensorMap dq_map) {
     using Storage = typename Bt::Storage;
     using Op = typename Bt::Op;
     constexpr int kStride = Bt::kStride, kPStride = Bt::kPStride;
@@ -138,6 +186,10 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const unsigned sdSt = tiles + Bt::kSmemDsOffset * 2;  // dS_ij^T [kBlockN][kPStride]
     float* sLse2 = reinterpret_cast<float*>(smem_tiles + Bt::kSmemRowStatsOffset);  // [2][kBlockM]
     float* sD = sLse2 + 2 * Bt::kBlockM;                                      // [2][kBlockM]
+    static_assert(!kTma || (Bt::kWgmma && !kScoreMod && !kVarlen), "the TMA builds: Hopper, no score mods");
+    unsigned sDq = 0;  // kTma: dQ_i's shares, [2 stages][kWarpgroups][kDqShareBytes]
+    if constexpr (kTma) sDq = tiles + Bt::kDqStageOffset;
+    int dq_stage = 0;
 
     const int n_block = blockIdx.x / Bt::kOutSplit;
     const int col_out0 = blockIdx.x % Bt::kOutSplit * Bt::kHeadDimOut;  // this block's slice of dK_j, dV_j, dQ_i
@@ -362,12 +414,17 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             // each of an SM's four schedulers, warp w and w + 4): the atomics of all warps at once
             // would queue up in the load/store unit.
             const bool dq_first = warp % 8 < 4;
+            unsigned sDq_stage = 0;
+            if constexpr (kTma) sDq_stage = sDq + dq_stage * Bt::kWarpgroups * Bt::kDqShareBytes;
             if (params.dq_accum != nullptr && dq_first)
-                add_dq_share<Bt, kScoreMod>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane);
+                add_dq_share<Bt, kScoreMod, kTma>(params, dq_map, sDq_stage, sdSt, sK, q_row0, col_out0, q_batch,
+                                                  head_idx, warp, lane);
             if (Bt::kDoBuffers == 2) mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
             mma_other_queries<Bt>(dK, sdSt_warp, sQ_i, wq, warp_cols, lane);
             if (params.dq_accum != nullptr && !dq_first)
-                add_dq_share<Bt, kScoreMod>(params, sdSt, sK, q_row0, col_out0, q_batch, head_idx, warp, lane);
+                add_dq_share<Bt, kScoreMod, kTma>(params, dq_map, sDq_stage, sdSt, sK, q_row0, col_out0, q_batch,
+                                                  head_idx, warp, lane);
+            dq_stage ^= 1;
             if constexpr (Bt::kWgmma && kOverlap) {
                 // dV_j's and dK_j's products have read Q_i, dO_i and dS^T before the next step's
                 // barrier lets those buffers be refilled (dQ's wgmma waited for them already when
@@ -381,6 +438,8 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
         __syncthreads();  // every warp is done with this head's last Q_i, dO_i before the next head's land
     }
     cp_async_wait<0>();  // nothing may still be landing when the block exits
+    if constexpr (kTma)  // nor may the TMA still be adding from its shared memory
+        if (threadIdx.x % 128 == 0) bulk_wait_group<0>();
 
     const int warp_key0 = key0 + warp_keys;
     Storage* dk = static_cast<Storage*>(params.dk) + k_batch * params.dk_batch_stride +

@@ -245,7 +245,15 @@ struct WgmmaBwdDkdvTraits
     static constexpr int kSmemDsOffset = kSmemPOffset;
     static constexpr int kSmemRowStatsOffset = (kSmemDsOffset + kBlockN_ * kBlockM_) * 2;  // bytes
     static constexpr int kSmemBytes = kSmemRowStatsOffset + 2 * 2 * kBlockM_ * 4 + kSwizzleAtomBytes;
+    // The TMA builds (kTma) then stage dQ_i's float32 shares for the TMA's adds: two buffers per
+    // warpgroup of one 64 x 64 share, each two boxes of 32 columns (128 bytes: the widest the
+    // 128-byte swizzle takes) by 64 rows.
+    static constexpr int kDqBoxColumns = 32;
+    static constexpr int kDqShareBytes = 64 * 64 * 4;
+    static constexpr int kDqStageOffset = kSmemRowStatsOffset + 2 * 2 * kBlockM_ * 4;  // bytes
+    static constexpr int kSmemBytesTma = kSmemBytes + 2 * kWarpgroups * kDqShareBytes;
 
+    static_assert(kDqStageOffset % kSwizzleAtomBytes == 0, "the dQ boxes start on swizzle periods");
     static_assert(kWarpsQ_ == 1 && kOutSplit_ == 1, "a warp owns whole rows of S^T, dK_j and dV_j");
     static_assert(kDoBuffers_ == 2, "dO_i is double-buffered");
     static_assert(kNWarps_ % 4 == 0 && kBlockN_ == 64 * kWarpgroups, "64 keys per warpgroup");

@@ -51,6 +51,9 @@ __device__ __forceinline__ void store_shared_16(unsigned dst, const void* x) {
 __device__ __forceinline__ void store_shared_4(unsigned dst, unsigned x) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst), "r"(x) : "memory");
 }
+__device__ __forceinline__ void store_shared_8(unsigned dst, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dst), "f"(x), "f"(y) : "memory");
+}
 __device__ __forceinline__ uint4 load_shared_16(unsigned src) {
     uint4 v;
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src)

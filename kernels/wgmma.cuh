@@ -117,6 +117,32 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap& map, 
         : "memory");
 }
 
+// The other direction: the TMA adds a [rows][columns] box in shared memory (in the map's swizzle)
+// into the tensor at element coordinates (c0 innermost .. c3), element by element in L2, clipping
+// what falls past the tensor's bounds. Its completion is tracked per issuing thread in bulk
+// groups: commit closes one, and wait_group_read<N> returns once all but the N newest have read
+// their shared memory (which may then be rewritten), bulk_wait_group<N> once their adds are done.
+// The threads' shared-memory writes reach the TMA (async proxy) through fence_proxy_async and a
+// barrier before the issue.
+__device__ __forceinline__ void tma_reduce_add_4d(const TensorMap& map, unsigned src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::
+                     "l"(reinterpret_cast<unsigned long long>(&map)),
+                 "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int kPending> __device__ __forceinline__ void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+template <int kPending> __device__ __forceinline__ void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Barrier `id` (1..15; 0 is __syncthreads') among `threads` threads, whole warps: a warpgroup's own.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // f(Index<i>()) for i = kBegin..kEnd-1: a loop whose index is a template argument.
 template <int kI> struct Index {
     static constexpr int value = kI;

@@ -282,7 +282,7 @@ def test_the_hopper_forward_takes_its_tma_builds_where_they_exist(monkeypatch, h
     everything = _instantiations.all_kernels("sm_90a")
     assert kernel in everything
     if tma:
-        twin = _instantiations.cp_async_twin(kernel)
+        twin = _instantiations.without_tma(kernel)
         assert twin in everything and not twin.tma and twin.block_sparse == sparse
         assert twin == _attention.forward_kernel(p, 0, tma=False)
         assert kernel.name_expression.endswith(f"{str(sparse).lower()}, false, false, true>")
@@ -344,3 +344,67 @@ def test_a_tensor_map_the_driver_declines_means_the_cp_async_build(monkeypatch):
         assert list(calls[0][6]) == [64, 128, 1, 1]
     finally:
         _tma._kv_tensor_maps.cache_clear()
+
+
+@pytest.mark.parametrize("head_dim,causal,sparse,mods,deterministic,tma", [
+    (64, False, False, {}, False, True), (40, True, True, {}, False, True), (128, True, False, {}, False, True),
+    (112, False, True, {}, False, True), (64, False, False, {}, True, False),
+    (128, False, False, {"softcap": 5.0}, False, False), (160, False, False, {}, False, False),
+])
+def test_the_hopper_dkdv_kernel_takes_its_tma_builds_where_they_exist(monkeypatch, head_dim, causal, sparse, mods,
+                                                                       deterministic, tma):
+    """Every variant without score modifiers, at both Hopper head dims, when the dQ sums are atomic;
+    tma=False and CUPYFLASH_HOPPER_TMA=0 (TMA_BACKWARD_BY_DEFAULT) take the atomic build, its twin."""
+    from cupyflash import _attention, _validation
+
+    monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: 90)
+    monkeypatch.setattr(_attention, "large_shared_memory", lambda device_id: True)
+    monkeypatch.setattr(_instantiations, "WGMMA_BACKWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(_instantiations, "TMA_BACKWARD_BY_DEFAULT", True)
+    q = numpy.zeros((1, 300, 2, head_dim), _validation.BFLOAT16)
+    p = _validation.check_attention_args(q, q, q, causal=causal, scale=None, return_lse=True, **mods)
+    p = dataclasses.replace(p, deterministic=deterministic)
+    if sparse:
+        p = _validation.check_block_mask(BlockMask(numpy.ones((1, 3, 3), bool)), p)
+    kernel = _attention.backward_kernels(p, 0)[0]
+    assert getattr(kernel, "tma", False) == tma
+    everything = _instantiations.all_kernels("sm_90a")
+    assert kernel in everything
+    if tma:
+        twin = _instantiations.without_tma(kernel)
+        assert twin in everything and not twin.tma and twin.local == causal and twin.block_sparse == sparse
+        assert twin == _attention.backward_kernels(p, 0, tma=False)[0]
+        assert twin.smem_bytes + 2 * 2 * 64 * 64 * 4 == kernel.smem_bytes
+        assert kernel.name_expression.endswith(f"{str(sparse).lower()}, false, false, true>")
+        monkeypatch.setattr(_instantiations, "TMA_BACKWARD_BY_DEFAULT", False)
+        assert _attention.backward_kernels(p, 0)[0] == twin
+    with pytest.raises(ValueError, match="TMA builds"):
+        _instantiations.WgmmaBwdDkdvKernel("bfloat16", 64, True, score_mod=True, tma=True)
+
+
+def test_the_dq_workspace_map(monkeypatch):
+    """dq_accum (float32, contiguous (batch, seqlen_q, heads, head_dim)) as a 4-D map of 32 x 64
+    boxes; head dims that are not multiples of 4 have rows off 16-byte boundaries: no map."""
+    import ctypes
+
+    from cupyflash import _tma
+
+    calls = []
+
+    def encoding(*args):
+        calls.append(args)
+        return 0
+
+    u64_4, u64_3, u32_4 = ctypes.c_uint64 * 4, ctypes.c_uint64 * 3, ctypes.c_uint32 * 4
+    monkeypatch.setattr(_tma, "_encode_tiled", lambda: (encoding, u64_4, u64_3, u32_4))
+    _tma._dq_tensor_map.cache_clear()
+    try:
+        made = _tma.dq_tensor_map(4096, (2, 500, 3), 100)
+        assert made is not None and made.nbytes == _tma.TENSOR_MAP_BYTES == _tma.NO_MAP.nbytes
+        assert len(calls) == 1 and calls[0][1] == 7 and calls[0][2] == 4  # float32, 4-D
+        assert list(calls[0][4]) == [100, 500, 3, 2] and list(calls[0][5]) == [1200, 400, 600000]
+        assert list(calls[0][6]) == [32, 64, 1, 1]
+        assert _tma.dq_tensor_map(4096, (2, 500, 3), 59) is None and len(calls) == 1
+        assert _tma.dq_tensor_map(4096, (1, 500, 1), 100) is not None  # one head, one batch entry
+    finally:
+        _tma._dq_tensor_map.cache_clear()

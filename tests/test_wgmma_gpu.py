@@ -255,7 +255,7 @@ def test_tma_build_equals_the_cp_async_build(rng, monkeypatch, nan_outputs, hopp
     assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
     monkeypatch.setattr(inst, "TMA_FORWARD_BY_DEFAULT", False)
     out_cp, lse_cp = forward()
-    assert not hopper[-1].tma and inst.cp_async_twin(hopper[-2]) == hopper[-1]
+    assert not hopper[-1].tma and inst.without_tma(hopper[-2]) == hopper[-1]
     assert (bits(out.get()) == bits(out_cp.get())).all()
     assert (bits(lse.get()) == bits(lse_cp.get())).all()
 
@@ -282,3 +282,70 @@ def test_tma_falls_back_where_no_tensor_map_fits(rng, nan_outputs, hopper, dtype
     out, lse = cupyflash.attention(q, k, v, return_lse=True)
     assert hopper[-1].tma
     assert took_hopper(hopper)
+
+
+# The dK/dV kernel's TMA builds (kTma: dQ_i's shares added to the float32 workspace by the TMA, not
+# by atomics; every variant without score modifiers). Query blocks cut short by seqlen_q (rows the
+# TMA clips from its adds), head dims 40 and 112 (columns likewise), GQA, batch > 1, strided K, V.
+TMA_DQ_SHAPES = [(2, 70, 1, 4, 2, 64), (2, 203, 331, 4, 2, 40), (3, 129, 257, 2, 2, 112), (1, 515, 700, 4, 4, 128),
+                 (2, 1, 90, 2, 1, 100)]
+
+
+@pytest.mark.parametrize("variant", ["dense", "causal", "block_sparse"])
+@pytest.mark.parametrize("shape", TMA_DQ_SHAPES)
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_tma_dq_build_matches_the_atomic_build(rng, monkeypatch, nan_outputs, hopper, dtype, shape, variant):
+    """dK_j and dV_j are computed as before: equal bit for bit. dQ sums the same shares in another
+    order (neither build's is fixed): within the reference's tolerance, as the atomic build's."""
+    import cupy
+    from shapes import bits
+
+    if not hopper.backward:
+        pytest.skip("the Hopper dK/dV kernel is switched off in this run")
+    q, k, v = _tma_inputs(rng, dtype, shape)
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    causal = variant == "causal"
+    mask = None
+    if variant == "block_sparse":
+        mask = BlockMask(rng.random((shape[3], -(-shape[1] // 128), -(-shape[2] // 128))) < 0.6)
+    if mask is None:
+        out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+    else:
+        out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+
+    def backward():
+        if mask is None:
+            return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        return cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
+
+    grads = backward()
+    assert hopper[-1].tma and hopper[-1].local == causal and hopper[-1].block_sparse == (mask is not None)
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask)
+    monkeypatch.setattr(inst, "TMA_BACKWARD_BY_DEFAULT", False)
+    atomic = backward()
+    assert not hopper[-1].tma and inst.without_tma(hopper[-2]) == hopper[-1]
+    assert_gradients_match_reference(dout, q, k, v, atomic, dtype, causal, block_mask=mask)
+    for got, want in zip(grads[1:], atomic[1:]):
+        assert (bits(got.get()) == bits(want.get())).all()
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_tma_dq_falls_back_to_atomics(rng, nan_outputs, hopper, dtype):
+    """Head dims 59 and 111 (dQ rows of 236, 444 bytes: not multiples of 16) have no tensor map,
+    and deterministic mode no workspace: the atomic build serves (or none), with results as ever."""
+    import cupy
+
+    if not hopper.backward:
+        pytest.skip("the Hopper dK/dV kernel is switched off in this run")
+    for head_dim, deterministic in ((59, False), (111, False), (64, True)):
+        q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 113, 203, 3, head_dim))
+        dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+        out, lse = cupyflash.attention(q, k, v, return_lse=True)
+        grads = cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic)
+        assert isinstance(hopper[-1], inst.WgmmaBwdDkdvKernel) and not hopper[-1].tma
+        assert_gradients_match_reference(dout, q, k, v, grads, dtype, False)
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 113, 203, 3, 64))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    cupyflash.attention_backward(dout, q, k, v, out, lse)
+    assert hopper[-1].tma

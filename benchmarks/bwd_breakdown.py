@@ -1,0 +1,91 @@
+"""Where the backward's time goes, kernel by kernel, a development tool.
+
+    python benchmarks/bwd_breakdown.py [--head-dim 128] [--seqlen 4096] [--density 1.0]
+
+Captures the launches one attention_backward (or block_sparse_attention_backward) call makes,
+then times each alone (median of CUDA-event-timed replays, cupyx.profiler.benchmark): the dQ
+workspace's memset, the preprocess (D_i, lse_i·log2(e)), the dK/dV kernel (its TMA build where
+one serves, and its atomic twin), the dK/dV kernel with no dQ (dq_accum null: what the dQ products
+and adds cost), and the dQ conversion; then the whole call. Batch x seqlen = 16384 tokens, hidden 2048, bfloat16, as the sparse grid.
+"""
+
+import argparse
+import sys
+
+import numpy
+
+
+def main(argv=None):
+    import cupy
+    from cupyx.profiler import benchmark
+
+    import cupyflash
+    from cupyflash import _attention, _instantiations, _tma
+    from cupyflash._validation import BFLOAT16
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dim", type=int, action="append")
+    ap.add_argument("--seqlen", type=int, action="append")
+    ap.add_argument("--density", type=float, default=1.0, help="random block mask of this density (< 1)")
+    ap.add_argument("--n-repeat", type=int, default=30)
+    args = ap.parse_args(argv)
+    rng = numpy.random.default_rng(0)
+    print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    print(f"{'d':>4} {'seqlen':>6} {'density':>7} | {'memset':>7} {'prep':>7} {'dkdv':>8} {'atomic':>8} {'no dQ':>8} "
+          f"{'convert':>7} {'sum':>8} {'call':>8} | us (median)")
+    for d in args.head_dim or [64, 128]:
+        for s in args.seqlen or [4096, 16384]:
+            b, h = max(1, 16384 // s), 2048 // d
+            q, k, v, dout = (cupy.random.standard_normal((b, s, h, d), dtype=numpy.float32).astype(BFLOAT16)
+                             for _ in range(4))
+            mask = None
+            if args.density < 1:
+                blocks = -(-s // 128)
+                mask = cupyflash.BlockMask(rng.random((h, blocks, blocks)) < args.density)
+            if mask is None:
+                out, lse = cupyflash.attention(q, k, v, return_lse=True)
+                call = lambda: cupyflash.attention_backward(dout, q, k, v, out, lse)  # noqa: E731
+            else:
+                out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+                call = lambda: cupyflash.block_sparse_attention_backward(  # noqa: E731
+                    dout, q, k, v, out, lse, mask)
+            launches = []
+            real_launch = _attention._launch
+
+            def recording(kernel, device_id, grid, params, *more):
+                launches.append((kernel, device_id, grid, params.copy(), more))
+                real_launch(kernel, device_id, grid, params, *more)
+
+            _attention._launch = recording
+            try:
+                call()
+            finally:
+                _attention._launch = real_launch
+            cupy.cuda.Device().synchronize()
+            names = [type(kn).__name__ + ":" + getattr(kn, "name", "") for kn, *_ in launches]
+            if len(launches) != 3:
+                raise RuntimeError(f"expected preprocess, dK/dV, convert; got {names}")
+            accum = cupy.zeros((b * s, h, d), numpy.float32)
+            times = {"memset": benchmark(lambda: accum.fill(0), n_repeat=args.n_repeat, n_warmup=3)}
+            for label, (kernel, dev, grid, params, more) in zip(("prep", "dkdv", "convert"), launches):
+                times[label] = benchmark(lambda: real_launch(kernel, dev, grid, params, *more),
+                                         n_repeat=args.n_repeat, n_warmup=3)
+            kernel, dev, grid, params, more = launches[1]
+            twin = _instantiations.without_tma(kernel) if getattr(kernel, "tma", False) else kernel
+            times["atomic"] = benchmark(lambda: real_launch(twin, dev, grid, params, _tma.NO_MAP),
+                                        n_repeat=args.n_repeat, n_warmup=3)
+            no_dq = params.copy()
+            no_dq["dq_accum"] = 0
+            times["no dQ"] = benchmark(lambda: real_launch(twin, dev, grid, no_dq, _tma.NO_MAP),
+                                       n_repeat=args.n_repeat, n_warmup=3)
+            times["call"] = benchmark(call, n_repeat=args.n_repeat, n_warmup=3)
+            us = {key: float(numpy.median(t.gpu_times[0])) * 1e6 for key, t in times.items()}
+            total = us["memset"] + us["prep"] + us["dkdv"] + us["convert"]
+            print(f"{d:>4} {s:>6} {args.density:>7} | {us['memset']:7.1f} {us['prep']:7.1f} {us['dkdv']:8.1f} "
+                  f"{us['atomic']:8.1f} {us['no dQ']:8.1f} {us['convert']:7.1f} {total:8.1f} {us['call']:8.1f}"
+                  f"{'  (TMA dQ)' if twin is not kernel else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
