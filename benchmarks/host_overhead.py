@@ -10,6 +10,7 @@ same tensors is printed for scale; with --profile, the top functions of a cProfi
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import sys
@@ -27,6 +28,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-gc", action="store_true", help="with Python's cyclic garbage collector off")
     args = ap.parse_args(argv)
     rs = cupy.random.default_rng(0)
     q, k, v, dout = (rs.standard_normal((1, 128, 2, 128), dtype=numpy.float32).astype(BFLOAT16) for _ in range(4))
@@ -45,6 +47,8 @@ def main(argv=None):
         calls["torch sdpa forward"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
     except ImportError:
         print("# torch not installed: no SDPA line")
+    if args.no_gc:
+        gc.disable()
     for name, fn in calls.items():
         fn()
         cupy.cuda.Device().synchronize()
