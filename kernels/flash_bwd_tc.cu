@@ -10,7 +10,8 @@
 //     and float32 atomics. On Hopper (sm_90a, WgmmaBwdDkdvTraits) the products are warpgroup
 //     wgmma (flash_wgmma.cuh), 64 keys per warpgroup: a warp holds 16 keys x every query of the
 //     step, so P^T and dS^T feed dV_j and dK_j whole from registers; products are left running
-//     while the warp computes where registers allow (kOverlap, kDpWithS).
+//     while the warp computes where registers allow (kOverlap, kDpWithS); its kTma builds hand
+//     dQ_i's float32 shares to the TMA, which adds them in L2 (cp.reduce.async.bulk.tensor).
 //   flash_bwd_dq_tc_kernel (deterministic mode): one block per query block, recomputes P_ij and
 //     dP_ij and sums dQ_i over the key blocks in a fixed order, with no atomics.
 #include "flash_bwd.cuh"
