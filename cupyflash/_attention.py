@@ -814,7 +814,8 @@ def launch_backward(
     accum = _validation.lse_dtype(p.dtype_name)  # the kernels' accumulator type
     lse_log2 = cupy.empty(p.heads * p.total_q, accum)  # row statistics, as _row_statistics_strides
     d = cupy.empty(p.heads * p.total_q, accum)
-    dq_accum = None if p.deterministic else cupy.zeros((p.total_q, p.heads, p.head_dim), accum)
+    # Cleared by the preprocess kernel, which reads its rows anyway (flash_bwd.cu).
+    dq_accum = None if p.deterministic else cupy.empty((p.total_q, p.heads, p.head_dim), accum)
 
     fields = {"lse": lse.data.ptr, "lse_log2": lse_log2.data.ptr, "d": d.data.ptr, "scale": p.scale}
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
