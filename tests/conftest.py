@@ -62,6 +62,29 @@ def nan_outputs(monkeypatch):
 
 
 @pytest.fixture
+def poisoned_empty(monkeypatch):
+    """`cupy.empty` returns memory with every byte 0xFF (NaN in every float type, -1 in the
+    integer ones), as a memory pool's reused block might hold: a kernel that reads a workspace
+    it was meant to clear or write first (the backward's float32 dQ accumulator) then fails the
+    comparison. Returns the shapes and dtypes allocated, so a test can check that the workspace
+    it means went through here."""
+    import cupy
+
+    allocated = []
+    empty = cupy.empty
+
+    def poisoned(shape, dtype=float, order="C"):
+        x = empty(shape, dtype, order)
+        allocated.append((x.shape, x.dtype))
+        if x.nbytes:
+            cupy.ndarray((x.nbytes,), cupy.uint8, x.data).fill(0xFF)
+        return x
+
+    monkeypatch.setattr(cupy, "empty", poisoned)
+    return allocated
+
+
+@pytest.fixture
 def jax_gpu():
     """The jax module, when JAX is installed with a GPU backend; otherwise the test is skipped."""
     jax = pytest.importorskip("jax")

@@ -5,7 +5,7 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import _attention, reference
+from cupyflash import _attention, _instantiations, reference
 from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, bits, numpy_dtype, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -60,6 +60,29 @@ def test_awkward_shapes(rng, nan_outputs, dtype, seqlen_q, seqlen_k, head_dim, c
 def test_every_head_dim_class(rng, nan_outputs, dtype, head_dim, deterministic):
     inputs, grads = run_forward_backward(rng, dtype, (1, 130, 97, 2, head_dim), True, deterministic, scale=0.3)
     assert_gradients_match_reference(*inputs, grads, dtype, True, scale=0.3)
+
+
+def assert_workspace_poisoned(allocated, rows, heads, head_dim, dtype):
+    """The dQ workspace, (rows, heads, head_dim) in the accumulator type, came from the poisoned
+    cupy.empty (so the test cannot pass on memory that happened to be zero)."""
+    accum = numpy.float64 if dtype == "float64" else numpy.float32
+    assert ((rows, heads, head_dim), accum) in allocated, f"no dQ workspace among {allocated}"
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 113, 203, 3, 64), (1, 1023, 1024, 2, 128), (2, 17, 300, 3, 40)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dq_workspace_is_cleared_by_the_backward(rng, nan_outputs, poisoned_empty, monkeypatch, dtype, shape, causal,
+                                                 tma):
+    """The float32 dQ workspace is allocated uninitialised and cleared by the preprocess kernel
+    (flash_bwd.cu), on the Hopper TMA path and the atomic one (the same kernels elsewhere): here it
+    starts as NaN, so a row the clear missed puts NaN into dq."""
+    monkeypatch.setattr(_instantiations, "TMA_BACKWARD_BY_DEFAULT", tma)
+    inputs, grads = run_forward_backward(rng, dtype, shape, causal, deterministic=False)
+    batch, seqlen_q, _, heads, head_dim = shape
+    assert_workspace_poisoned(poisoned_empty, batch * seqlen_q, heads, head_dim, dtype)
+    assert_gradients_match_reference(*inputs, grads, dtype, causal)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])

@@ -10,7 +10,7 @@ import cupyflash
 from cupyflash import BlockMask, _attention, _validation
 from shapes import DTYPES, bits, random_qkv
 from test_attention_gpu import assert_matches_reference
-from test_backward_gpu import assert_gradients_match_reference
+from test_backward_gpu import assert_gradients_match_reference, assert_workspace_poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -27,6 +27,17 @@ def run_block_sparse(rng, dtype, shape, mask, causal, deterministic=False, grads
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
     g = cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask, causal=causal, deterministic=deterministic)
     assert_gradients_match_reference(dout, q, k, v, g, dtype, causal, block_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dq_workspace_is_cleared_where_no_block_is_kept(rng, nan_outputs, poisoned_empty, dtype):
+    """Query rows whose blocks are all zero get no dQ share from any key block: their rows of the
+    uninitialised (here NaN) workspace must still come out as dq = 0."""
+    seqlen_q, seqlen_k, heads = 517, 300, 3
+    dense = rng.random((heads, math.ceil(seqlen_q / 128), math.ceil(seqlen_k / 128))) < 0.5
+    dense[:, 1] = False  # a query block with no key block, in every head
+    run_block_sparse(rng, dtype, (2, seqlen_q, seqlen_k, heads, 64), BlockMask(dense), causal=False)
+    assert_workspace_poisoned(poisoned_empty, 2 * seqlen_q, heads, 64, dtype)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -10,7 +10,7 @@ import cupyflash
 from cupyflash import _attention
 from shapes import DTYPES, HEAD_DIMS, numpy_dtype
 from test_attention_gpu import assert_matches_reference
-from test_backward_gpu import assert_gradients_match_reference
+from test_backward_gpu import assert_gradients_match_reference, assert_workspace_poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -87,6 +87,14 @@ def run_varlen(rng, dtype, lengths, heads, heads_kv, head_dim, *, causal=False, 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_awkward_lengths(rng, nan_outputs, dtype, causal, deterministic):
     run_varlen(rng, dtype, AWKWARD_LENGTHS, 4, 2, 59, causal=causal, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dq_workspace_is_cleared_for_packed_sequences(rng, nan_outputs, poisoned_empty, dtype):
+    """The packed dQ workspace (total_q rows) starts as NaN: every sequence's rows, the empty
+    ones' neighbours included, must be cleared before the dK/dV kernel adds into them."""
+    run_varlen(rng, dtype, AWKWARD_LENGTHS, 4, 2, 59, causal=True)
+    assert_workspace_poisoned(poisoned_empty, sum(AWKWARD_LENGTHS[0]), 4, 59, dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True])
