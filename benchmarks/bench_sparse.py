@@ -4,6 +4,7 @@ PyTorch FlexAttention on the same block masks.
     python -m cupyflash bench --sparse [--seqlen 4096 --seqlen 16384] [--head-dim 64 --head-dim 128]
                                        [--density 1.0 ...] [--pattern random --pattern local]
                                        [--dtype bfloat16] [--causal] [--out benchmarks/results]
+    python -m cupyflash bench --sparse --table benchmarks/results/<device>-<date>-bench-sparse.csv
 
 The grid: batch x seqlen = 16384 tokens, hidden 2048, blocks of 128 x 128, densities 1.0, 0.5,
 0.25, 0.1, 0.05 of two patterns: "random" (every query block gets round(density x n_k_blocks)
@@ -25,6 +26,7 @@ FlexAttention; the targets (issue "Step 4") are checked and printed. Writes
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import pathlib
 import sys
@@ -46,6 +48,8 @@ def parse_args(argv):
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention (named as skipped)")
     ap.add_argument("--max-seconds", type=float, default=0.2, help="timing budget per measurement")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    ap.add_argument("--table", type=pathlib.Path, metavar="CSV",
+                    help="print the table of a CSV this benchmark wrote, scored against the targets, and exit")
     return ap.parse_args(argv)
 
 
@@ -183,6 +187,11 @@ class Flex:
 def main(argv, bench) -> int:
     """The run; `bench` is benchmarks/bench.py's module (timing, torch views, result files)."""
     args = parse_args(argv)
+    if args.table:  # no GPU needed: the targets are re-scored from the recorded times
+        with open(args.table, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        print_table(rows, rows[0]["device"] if rows else str(args.table))
+        return 0
     matplotlib, tqdm, device, date, stem = bench.start_run("bench-sparse")
     median_ms, torch_view = bench._median_ms, bench.torch_view
     import cupy
@@ -266,12 +275,15 @@ def main(argv, bench) -> int:
 
 def targets(r) -> str:
     """The issue's targets for one row: density 1 within 1.1x dense; density >= 0.1 within
-    1.2 x density x dense; effective TFLOP/s at least FlexAttention's."""
-    density, ratio = float(r["density"]), float(r["time_vs_dense"])
+    1.2 x density x dense; effective TFLOP/s at least FlexAttention's. A row's class is its
+    nominal density (the grid's 1.0 ... 0.05), its bound 1.2 x the mask's actual density: a mask
+    of whole blocks only comes near the nominal one (at 4096 tokens, round(0.1 x 32^2) = 102
+    blocks is 0.0996, the local band 0.092), and a row must not leave the target by rounding."""
+    nominal, density, ratio = float(r["target_density"]), float(r["density"]), float(r["time_vs_dense"])
     misses = []
-    if density >= 0.999 and ratio > 1.1:
+    if nominal >= 0.999 and ratio > 1.1:
         misses.append("density 1 > 1.1x dense")
-    if density >= 0.1 and ratio > 1.2 * density:
+    if nominal >= 0.1 and ratio > 1.2 * density:
         misses.append(f"> 1.2 x density ({1.2 * density:.3f})")
     if r["flex_effective_tflops"] and float(r["effective_tflops"]) < float(r["flex_effective_tflops"]):
         misses.append("slower than flex")
@@ -290,6 +302,7 @@ def print_table(rows, device):
     notes = {r["flex_note"] for r in rows if not r["flex_ms"]}
     for note in notes:
         print(f"# flex untimed: {note}")
+    print(f"# rows meeting every target: {sum(targets(r) == 'ok' for r in rows)} of {len(rows)}")
 
 
 def plot(rows, path, device, matplotlib):

@@ -38,3 +38,37 @@ def test_importing_cupyflash_imports_neither_torch_nor_jax():
     code = "import sys, cupyflash; print(sorted(m for m in ('torch', 'jax') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def _sparse_row(nominal, density, ratio, ours_tflops=300.0, flex_tflops=250.0):
+    return {"device": "test GPU", "seqlen": "4096", "head_dim": "64", "pattern": "random",
+            "target_density": str(nominal), "density": f"{density:.4f}", "direction": "fwd",
+            "sparse_ms": f"{ratio:.4f}", "time_vs_dense": f"{ratio:.3f}", "effective_tflops": str(ours_tflops),
+            "flex_ms": "1.0", "flex_effective_tflops": str(flex_tflops), "flex_note": ""}
+
+
+def test_sparse_benchmark_scores_rows_by_their_nominal_density(tmp_path):
+    """`bench --sparse --table` re-scores a recorded CSV without a GPU. A mask of whole blocks only
+    comes near its nominal density (102 of 32 x 32 blocks is 0.0996): that row is still held to
+    1.2 x its density, where the 0.05 row has no density target."""
+    import csv
+
+    rows = [
+        _sparse_row(0.1, 0.0996, 0.155),  # over 1.2 x 0.0996
+        _sparse_row(0.1, 0.0996, 0.119),
+        _sparse_row(0.05, 0.0498, 0.2),  # no density target below 0.1
+        _sparse_row(1.0, 1.0, 1.11),  # over 1.1x dense
+        _sparse_row(0.5, 0.5, 0.55, ours_tflops=240.0),  # slower than flex
+    ]
+    path = tmp_path / "sparse.csv"
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    done = subprocess.run([sys.executable, "-m", "cupyflash", "bench", "--sparse", "--table", str(path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    verdicts = [line.split("  ")[-1] for line in done.stdout.splitlines() if line.startswith("  4096")]
+    assert verdicts == ["MISS: > 1.2 x density (0.120)", "ok", "ok", "MISS: density 1 > 1.1x dense",
+                        "MISS: slower than flex"], done.stdout
+    assert "rows meeting every target: 2 of 5" in done.stdout
