@@ -5,7 +5,7 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import _attention, _instantiations, reference
+from cupyflash import _attention, _instantiations, _validation, reference
 from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, bits, numpy_dtype, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -65,7 +65,7 @@ def test_every_head_dim_class(rng, nan_outputs, dtype, head_dim, deterministic):
 def assert_workspace_poisoned(allocated, rows, heads, head_dim, dtype):
     """The dQ workspace, (rows, heads, head_dim) in the accumulator type, came from the poisoned
     cupy.empty (so the test cannot pass on memory that happened to be zero)."""
-    accum = numpy.float64 if dtype == "float64" else numpy.float32
+    accum = _validation.lse_dtype(dtype)
     assert ((rows, heads, head_dim), accum) in allocated, f"no dQ workspace among {allocated}"
 
 
