@@ -50,19 +50,8 @@ def main(argv=None):
                 out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
                 call = lambda: cupyflash.block_sparse_attention_backward(  # noqa: E731
                     dout, q, k, v, out, lse, mask)
-            launches = []
+            launches = record_launches(call)
             real_launch = _attention._launch
-
-            def recording(kernel, device_id, grid, params, *more):
-                launches.append((kernel, device_id, grid, params.copy(), more))
-                real_launch(kernel, device_id, grid, params, *more)
-
-            _attention._launch = recording
-            try:
-                call()
-            finally:
-                _attention._launch = real_launch
-            cupy.cuda.Device().synchronize()
             names = [type(kn).__name__ + ":" + getattr(kn, "name", "") for kn, *_ in launches]
             if len(launches) != 3:
                 raise RuntimeError(f"expected preprocess, dK/dV, convert; got {names}")
@@ -72,11 +61,11 @@ def main(argv=None):
                                          n_repeat=args.n_repeat, n_warmup=3)
             kernel, dev, grid, params, more = launches[1]
             twin = _instantiations.without_tma(kernel) if getattr(kernel, "tma", False) else kernel
-            times["atomic"] = benchmark(lambda: real_launch(twin, dev, grid, params, _tma.NO_MAP),
+            times["atomic"] = benchmark(lambda: real_launch(twin, dev, grid, params, _tma.NO_BWD_MAPS),
                                         n_repeat=args.n_repeat, n_warmup=3)
             no_dq = params.copy()
             no_dq["dq_accum"] = 0
-            times["no dQ"] = benchmark(lambda: real_launch(twin, dev, grid, no_dq, _tma.NO_MAP),
+            times["no dQ"] = benchmark(lambda: real_launch(twin, dev, grid, no_dq, _tma.NO_BWD_MAPS),
                                        n_repeat=args.n_repeat, n_warmup=3)
             times["call"] = benchmark(call, n_repeat=args.n_repeat, n_warmup=3)
             us = {key: float(numpy.median(t.gpu_times[0])) * 1e6 for key, t in times.items()}
@@ -85,6 +74,29 @@ def main(argv=None):
                   f"{us['atomic']:8.1f} {us['no dQ']:8.1f} {us['convert']:7.1f} {total:8.1f} {us['call']:8.1f}"
                   f"{'  (TMA dQ)' if twin is not kernel else ''}")
     return 0
+
+
+def record_launches(call) -> list:
+    """The kernel launches one call makes, as (kernel, device id, grid, params, more): copies of
+    the argument images, to replay through `_attention._launch`. The call itself runs too."""
+    import cupy
+
+    from cupyflash import _attention
+
+    launches = []
+    real_launch = _attention._launch
+
+    def recording(kernel, device_id, grid, params, *more):
+        launches.append((kernel, device_id, grid, params.copy(), tuple(m.copy() for m in more)))
+        real_launch(kernel, device_id, grid, params, *more)
+
+    _attention._launch = recording
+    try:
+        call()
+    finally:
+        _attention._launch = real_launch
+    cupy.cuda.Device().synchronize()
+    return launches
 
 
 if __name__ == "__main__":

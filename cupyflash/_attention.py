@@ -804,8 +804,9 @@ def launch_backward(
     """Launches the backward kernels on CuPy's current stream, writing dq, dk, dv (any strides,
     head_dim contiguous); arrays must already be validated. tensor_cores and wgmma as in
     `backward_kernels`; `kernels` (dK/dV kernel, dQ kernel) overrides the traits table's pair (for tuning).
-    A TMA build of the dK/dV kernel becomes its atomic twin where the dQ workspace has no tensor map
-    (_tma.py), and in deterministic mode (no workspace)."""
+    A TMA build of the dK/dV kernel becomes its twin without TMA (cp.async loads, atomic dQ adds)
+    where the dQ workspace, Q or dO has no tensor map (_tma.py), and in deterministic mode (no
+    workspace)."""
     import cupy
 
     if p.batch == 0 or p.heads == 0:  # nothing to launch over
@@ -836,15 +837,16 @@ def launch_backward(
         grid = kernel.grid(p.batch, p.heads // p.kv_group if kernel.per_kv_head else p.heads, p.seqlen_q, p.seqlen_k)
         if grid[0] == 0:  # seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do
             return
-        more = ()  # flash_bwd_tc.cu's dK/dV kernels also take dq_accum's tensor map
+        more = ()  # flash_bwd_tc.cu's dK/dV kernels also take the TMA builds' tensor maps (BwdTensorMaps)
         if isinstance(kernel, _instantiations.TcBwdDkdvKernel):
-            dq_map = None
+            maps = None
             if getattr(kernel, "tma", False):
                 if dq_accum is not None and p.cu_seqlens is None:
-                    dq_map = _tma.dq_tensor_map(dq_accum.data.ptr, (p.batch, p.seqlen_q, p.heads), p.head_dim)
-                if dq_map is None:
+                    maps = _tma.bwd_tensor_maps(fields, dq_accum.data.ptr, (p.batch, p.seqlen_q, p.heads),
+                                                p.dtype_name, p.head_dim, kernel.tile.block_m)
+                if maps is None:
                     kernel = _instantiations.without_tma(kernel)
-            more = (_tma.NO_MAP if dq_map is None else dq_map,)
+            more = (_tma.NO_BWD_MAPS if maps is None else maps,)
         _launch(kernel, device_id, grid, params, *more)
 
     dkdv_kernel, dq_kernel = kernels or backward_kernels(p, device_id, tensor_cores, wgmma)

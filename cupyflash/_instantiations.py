@@ -179,8 +179,8 @@ def fwd_kernel(
 
 @functools.cache
 def without_tma(kernel):
-    """A TMA build's twin without TMA (WgmmaFwdKernel: cp.async copies; WgmmaBwdDkdvKernel: atomic dQ
-    adds): the same instantiation otherwise."""
+    """A TMA build's twin without TMA (WgmmaFwdKernel: cp.async copies; WgmmaBwdDkdvKernel: cp.async
+    copies and atomic dQ adds): the same instantiation otherwise."""
     return dataclasses.replace(kernel, tma=False)
 
 
@@ -401,7 +401,7 @@ def bwd_kernels(
     an H100's shared memory with large_smem (`tc_dkdv_tile_shape`); with wgmma too the Hopper
     dK/dV kernel (head dims padded to WGMMA_HEAD_DIMS) beside the mma.sync dQ kernel, and with
     tma its TMA build where one exists (no score modifiers, not varlen): the launch falls back to
-    the atomic build where the dQ workspace has no tensor map, and in deterministic mode;
+    the build without TMA where the dQ workspace, Q or dO has no tensor map, and in deterministic mode;
     block_sparse, score_mod and varlen as `fwd_kernel`."""
     _check_tensor_core_dtype(dtype_name, tensor_cores or wgmma)
     d = padded_head_dim(head_dim)
@@ -697,9 +697,9 @@ WGMMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_FORWARD", "1") != "0
 # where the arrays' layout allows a tensor map (cupyflash/_tma.py), unless CUPYFLASH_HOPPER_TMA=0.
 TMA_FORWARD_HEAD_DIMS = (64, 128)
 TMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_TMA", "1") != "0"
-# The Hopper dK/dV kernel's TMA builds (kTma: dQ_i's shares added to the float32 workspace by the
-# TMA instead of atomics): every variant without score modifiers, at both Hopper head dims; the same
-# switch turns them off.
+# The Hopper dK/dV kernel's TMA builds (kTma: Q_i and dO_i copied, and dQ_i's shares added to the
+# float32 workspace, by the TMA instead of every thread's cp.async copies and atomics): every
+# variant without score modifiers, at both Hopper head dims; the same switch turns them off.
 TMA_BACKWARD_BY_DEFAULT = TMA_FORWARD_BY_DEFAULT
 
 # Tiles timed by benchmarks/tune_tc.py --forward-only on an H100 (b2 s8192, both dtypes, causal and
@@ -777,7 +777,8 @@ def wgmma_dkdv_tile_shape(padded_head_dim: int, score_mod: bool = False) -> TcDk
 class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
     """kernels/flash_bwd_tc.cu's flash_bwd_dkdv_tc_kernel with the Hopper traits (wgmma products;
     sm_90a): one block per key block. tma: the kTma build (no score modifiers, not varlen), which
-    adds dQ through the TMA and takes the dQ workspace's tensor map."""
+    loads Q_i, dO_i and adds dQ through the TMA, taking the tensor maps of Q, dO and the dQ
+    workspace."""
 
     tma: bool = False
 

@@ -4,13 +4,14 @@ and the dK/dV kernel's (kernels/flash_bwd_tc.cu).
 A tensor map (CUDA's CUtensorMap: 128 opaque bytes) tells the tensor memory accelerator how a
 tensor lies in global memory and which box one copy moves between it and shared memory. The driver
 makes it (`cuTensorMapEncodeTiled`, reached through ctypes: CuPy does not wrap it). The forward
-takes K's and V's as one 256-byte `KvTensorMaps` argument; the dK/dV kernel takes its float32 dQ
-workspace's, into which the TMA adds dQ_i's shares.
+takes K's and V's as one 256-byte `KvTensorMaps` argument; the dK/dV kernel takes a 384-byte
+`BwdTensorMaps`: its float32 dQ workspace's, into which the TMA adds dQ_i's shares, then Q's and
+dO's, from which it loads Q_i and dO_i.
 
 Each map is 4-D, innermost first: (head dim, keys or queries, heads, batch), with the arrays' own
-byte strides, so strided views need no copy. K's and V's box is one 64-column panel (128 bytes, the
-widest the 128-byte swizzle allows) by a key block's rows; keys past seqlen_k, and columns past the
-head dim, read as zeros. TMA needs a 16-byte-aligned base and strides that are positive multiples
+byte strides, so strided views need no copy. K's and V's box (and Q's and dO's) is one 64-column
+panel (128 bytes, the widest the 128-byte swizzle allows) by a key (query) block's rows; rows past
+the sequence, and columns past the head dim, read as zeros. TMA needs a 16-byte-aligned base and strides that are positive multiples
 of 16 bytes: the map functions return None for arrays outside that (odd head dims' rows, some
 views), or that the driver declines, and those problems keep the build without TMA (cp.async
 copies; atomic dQ adds).
@@ -37,9 +38,9 @@ PANEL_COLUMNS = 64  # 16-bit elements in a 128-byte swizzled panel row (flash_tc
 DQ_BOX = (32, 64)  # float32 columns (128 bytes) x queries: WgmmaBwdDkdvTraits' dQ boxes
 
 # What kernels without TMA receive for the arguments they ignore: the forward's KvTensorMaps, the
-# dK/dV kernel's map of dq_accum.
+# dK/dV kernel's BwdTensorMaps.
 NO_MAPS = numpy.zeros(2 * TENSOR_MAP_BYTES, numpy.uint8)
-NO_MAP = numpy.zeros(TENSOR_MAP_BYTES, numpy.uint8)
+NO_BWD_MAPS = numpy.zeros(3 * TENSOR_MAP_BYTES, numpy.uint8)
 
 
 @functools.cache
@@ -86,28 +87,37 @@ def _tensor_map(pointer: int, dtype_name: str, head_dim: int, strides: tuple, di
 
 
 @functools.lru_cache(maxsize=64)
-def _kv_tensor_maps(k: int, k_strides: tuple, v: int, v_strides: tuple, dims: tuple, dtype_name: str, head_dim: int,
-                    box_rows: int) -> numpy.ndarray | None:
-    if not (describable(k, 2, k_strides, dims) and describable(v, 2, v_strides, dims)):
+def _tile_tensor_maps(a: int, a_strides: tuple, b: int, b_strides: tuple, dims: tuple, dtype_name: str,
+                      head_dim: int, box_rows: int) -> numpy.ndarray | None:
+    if not (describable(a, 2, a_strides, dims) and describable(b, 2, b_strides, dims)):
         return None
     maps = [_tensor_map(pointer, dtype_name, head_dim, strides, dims, (PANEL_COLUMNS, box_rows))
-            for pointer, strides in ((k, k_strides), (v, v_strides))]
+            for pointer, strides in ((a, a_strides), (b, b_strides))]
     if None in maps:
         return None
     return numpy.frombuffer(b"".join(maps), numpy.uint8).copy()
 
 
-def kv_tensor_maps(fields: dict, dims: tuple[int, int, int], dtype_name: str, head_dim: int,
-                   box_rows: int) -> numpy.ndarray | None:
-    """K's and V's maps (256 bytes, KvTensorMaps' layout), boxes of box_rows keys, from the launch's
-    FwdParams fields (pointers, element strides) and dims = (batch, seqlen_k, K/V heads); None where
-    TMA cannot describe them (`describable`). Cached on those integers (on every forward call's
+def tile_tensor_maps(fields: dict, names: tuple[str, str], dims: tuple[int, int, int], dtype_name: str,
+                     head_dim: int, box_rows: int) -> numpy.ndarray | None:
+    """Two 16-bit arrays' maps (256 bytes), boxes of box_rows rows, from the launch's parameter
+    fields (`names`: ("k", "v") for the forward's KvTensorMaps, ("q", "dout") for BwdTensorMaps'
+    last two; pointers and element strides) and dims = (batch, seqlen, heads of those arrays); None
+    where TMA cannot describe them (`describable`). Cached on those integers (on every call's
     path): a map holds no reference to the memory it describes."""
-    return _kv_tensor_maps(
-        fields["k"], (fields["k_batch_stride"], fields["k_row_stride"], fields["k_head_stride"]),
-        fields["v"], (fields["v_batch_stride"], fields["v_row_stride"], fields["v_head_stride"]),
+    a, b = names
+    return _tile_tensor_maps(
+        fields[a], (fields[f"{a}_batch_stride"], fields[f"{a}_row_stride"], fields[f"{a}_head_stride"]),
+        fields[b], (fields[f"{b}_batch_stride"], fields[f"{b}_row_stride"], fields[f"{b}_head_stride"]),
         dims, dtype_name, head_dim, box_rows,
     )
+
+
+def kv_tensor_maps(fields: dict, dims: tuple[int, int, int], dtype_name: str, head_dim: int,
+                   box_rows: int) -> numpy.ndarray | None:
+    """K's and V's maps (KvTensorMaps' layout) from the forward's FwdParams fields; dims = (batch,
+    seqlen_k, K/V heads). See `tile_tensor_maps`."""
+    return tile_tensor_maps(fields, ("k", "v"), dims, dtype_name, head_dim, box_rows)
 
 
 @functools.lru_cache(maxsize=64)
@@ -127,3 +137,16 @@ def dq_tensor_map(pointer: int, dims: tuple[int, int, int], head_dim: int) -> nu
     adds. dims = (batch, seqlen_q, heads). None where TMA cannot describe it (a head dim that is
     not a multiple of 4 leaves rows off 16-byte boundaries). Cached on those integers."""
     return _dq_tensor_map(pointer, dims, head_dim)
+
+
+def bwd_tensor_maps(fields: dict, dq_accum: int, dims: tuple[int, int, int], dtype_name: str, head_dim: int,
+                    box_rows: int) -> numpy.ndarray | None:
+    """The Hopper dK/dV kernel's maps (384 bytes, BwdTensorMaps' layout): dq_accum's
+    (`dq_tensor_map`), then Q's and dO's with boxes of box_rows queries (`tile_tensor_maps`), from
+    the launch's BwdParams fields; dims = (batch, seqlen_q, heads). None where any of them cannot be
+    made."""
+    dq = dq_tensor_map(dq_accum, dims, head_dim)
+    if dq is None:
+        return None
+    q_dout = tile_tensor_maps(fields, ("q", "dout"), dims, dtype_name, head_dim, box_rows)
+    return None if q_dout is None else numpy.concatenate([dq, q_dout])

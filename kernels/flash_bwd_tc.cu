@@ -19,23 +19,48 @@
 
 namespace cupyflash {
 
-// Q_i (asynchronously) and lse_i·log2(e), D_i for the kBlockM queries of (batch, head) from
-// q_row0. Rows past seqlen_q get lse = +inf, so their P_ij are exactly 0 whatever their (zero)
-// scores. The addresses are formed here from the kernel parameters, not kept across the loop
-// in registers, which the d64-d128 kernels have none to spare for. (The row statistics' plain
-// loads hold the first warps at their shared-memory stores; copied by cp.async instead, the
-// Hopper d128 dK/dV kernel measured 3-4% slower: benchmarks/NOTES.md, session 25.)
+// lse_i·log2(e) and D_i for the kBlockM queries of (batch, head) from q_row0. Rows past seqlen_q
+// get lse = +inf, so their P_ij are exactly 0 whatever their (zero) scores. (These plain loads hold
+// the first warps at their shared-memory stores; copied by cp.async instead, the Hopper d128 dK/dV
+// kernel measured 3-4% slower: benchmarks/NOTES.md, session 25.)
 template <typename Bt>
-__device__ __forceinline__ void load_query_block(const BwdParams& params, unsigned sQ, float* sLse2, float* sD,
-                                                 int batch_idx, int head_idx, int q_row0) {
+__device__ __forceinline__ void load_row_stats(const BwdParams& params, float* sLse2, float* sD, int batch_idx,
+                                               int head_idx, int q_row0) {
     const int rows_valid = min(Bt::kBlockM, params.seqlen_q - q_row0);
-    const auto* q = static_cast<const typename Bt::Storage*>(params.q) + batch_idx * params.q_batch_stride +
-                    head_idx * params.q_head_stride + q_row0 * params.q_row_stride;
-    load_tile_async<Bt, Bt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
     const long long row_stats = row_vector_offset(params, batch_idx, head_idx) + q_row0;
     for (int i = threadIdx.x; i < Bt::kBlockM; i += Bt::kNThreads) {
         sLse2[i] = i < rows_valid ? static_cast<const float*>(params.lse_log2)[row_stats + i] : pos_inf<float>();
         sD[i] = i < rows_valid ? static_cast<const float*>(params.d)[row_stats + i] : 0.f;
+    }
+}
+
+// Q_i (asynchronously) and its row statistics. The addresses are formed here from the kernel
+// parameters, not kept across the loop in registers, which the d64-d128 kernels have none to
+// spare for.
+template <typename Bt>
+__device__ __forceinline__ void load_query_block(const BwdParams& params, unsigned sQ, float* sLse2, float* sD,
+                                                 int batch_idx, int head_idx, int q_row0) {
+    const auto* q = static_cast<const typename Bt::Storage*>(params.q) + batch_idx * params.q_batch_stride +
+                    head_idx * params.q_head_stride + q_row0 * params.q_row_stride;
+    load_tile_async<Bt, Bt::kBlockM>(sQ, q, params.q_row_stride, min(Bt::kBlockM, params.seqlen_q - q_row0),
+                                     params.head_dim);
+    load_row_stats<Bt>(params, sLse2, sD, batch_idx, head_idx, q_row0);
+}
+
+// The TMA builds (kTma): thread 0 asks the copy engine for Q_i and dO_i, one box per 64-column
+// panel of each, all counted on the buffer's one mbarrier (a second arrival could let the phase
+// complete on the first tile's bytes alone). Queries past seqlen_q arrive as zeros.
+template <typename Bt>
+__device__ __forceinline__ void load_query_tiles_tma(const BwdTensorMaps& maps, unsigned sQ_i, unsigned sdO_i,
+                                                     unsigned barrier, int q_row0, int head_idx, int batch_idx) {
+    if (threadIdx.x == 0) {
+        mbarrier_arrive_expect_tx(barrier, 2 * Bt::kQueryTileBytes);
+#pragma unroll
+        for (int panel = 0; panel < Bt::kPanels; ++panel) {
+            const unsigned offset = panel * Bt::row_bytes(Bt::kBlockM);
+            tma_load_4d(sQ_i + offset, maps.q, barrier, panel * kPanelColumns, q_row0, head_idx, batch_idx);
+            tma_load_4d(sdO_i + offset, maps.dout, barrier, panel * kPanelColumns, q_row0, head_idx, batch_idx);
+        }
     }
 }
 
@@ -165,13 +190,16 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, const Tens
 // Shared memory: Bt::kSmemBytes. With GQA/MQA the block walks the query blocks of each query head
 // of its K/V head's group in turn (as the scalar kernel): dK_j, dV_j sum over the group on chip.
 // kScoreMod: softcap, ALiBi and dropout, as in the forward (instantiated with kIsLocal only);
-// kVarlen: a variable-length batch, as in the forward. kTma (Hopper, neither of those): dQ_i's
-// shares are added by the TMA through dq_map, a 4-D map of dq_accum (head dim, queries, heads,
-// batch; cupyflash/_tma.py), which the other builds take and ignore.
+// kVarlen: a variable-length batch, as in the forward. kTma (Hopper, neither of those): the copy
+// engine does the step's data movement through `maps` (cupyflash/_tma.py; the other builds take
+// them and ignore them): it brings Q_i and dO_i, one thread asking and every thread waiting on the
+// buffer's mbarrier, in place of every thread's 16-byte cp.async copies and their address
+// arithmetic (as the forward's K_j, V_j: benchmarks/NOTES.md, session 24); and it adds dQ_i's
+// shares into dq_accum (4-D map: head dim, queries, heads, batch).
 template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false,
           bool kTma = false>
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
-    flash_bwd_dkdv_tc_kernel(const BwdParams launch_params, const __grid_constant__ TensorMap dq_map) {
+    flash_bwd_dkdv_tc_kernel(const BwdParams launch_params, const __grid_constant__ BwdTensorMaps maps) {
     using Storage = typename Bt::Storage;
     using Op = typename Bt::Op;
     constexpr int kStride = Bt::kStride, kPStride = Bt::kPStride;
@@ -214,6 +242,19 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                        kv_head * params.v_head_stride + key0 * params.v_row_stride;
     load_tile_async<Bt, Bt::kBlockN>(sK, k, params.k_row_stride, keys_valid, params.head_dim);
     load_tile_async<Bt, Bt::kBlockN>(sV, v, params.v_row_stride, keys_valid, params.head_dim);
+    // kTma: each Q_i/dO_i buffer's mbarrier, and the parity of the phase each is waited for at next
+    // (bit b for buffer b).
+    unsigned landed = 0, phases = 0;
+    if constexpr (kTma) {
+        __shared__ alignas(8) unsigned long long barriers[2];
+        landed = smem_address(&barriers[0]);
+        if (threadIdx.x == 0) {
+            mbarrier_init(landed, 1);
+            mbarrier_init(landed + 8, 1);
+            fence_mbarrier_init();
+        }
+        __syncthreads();
+    }
 
     float dV[Bt::kMTiles][Bt::kOutTiles][4], dK[Bt::kMTiles][Bt::kOutTiles][4];
     zero(dV);
@@ -248,10 +289,20 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
         int t = m_blocks > 0 ? query_blocks.begin + n_block % m_blocks : 0;
         const auto after = [&](int t) { return t + 1 < query_blocks.end ? t + 1 : query_blocks.begin; };
         if (m_blocks > 0) {
-            load_query_block<Bt>(params, sQ, sLse2, sD, q_batch, head_idx, query_blocks[t] * Bt::kBlockM);
-            load_dout_block<Bt>(params, sdO, q_batch, head_idx, query_blocks[t] * Bt::kBlockM);
+            if constexpr (kTma) {
+                load_row_stats<Bt>(params, sLse2, sD, q_batch, head_idx, query_blocks[t] * Bt::kBlockM);
+                load_query_tiles_tma<Bt>(maps, sQ, sdO, landed, query_blocks[t] * Bt::kBlockM, head_idx, q_batch);
+            } else {
+                load_query_block<Bt>(params, sQ, sLse2, sD, q_batch, head_idx, query_blocks[t] * Bt::kBlockM);
+                load_dout_block<Bt>(params, sdO, q_batch, head_idx, query_blocks[t] * Bt::kBlockM);
+            }
         }
         cp_async_commit();
+        if constexpr (kTma) {
+            // K_j, V_j are the only cp.async copies: published at the first step's barrier.
+            cp_async_wait<0>();
+            fence_proxy_async();
+        }
 
         for (int step = 0; step < m_blocks; ++step, t = after(t)) {
             const int buf = step % 2;
@@ -261,15 +312,29 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             const unsigned sQ_i = sQ + buf * Bt::kQueryTileBytes;
             const float* sLse2_i = sLse2 + buf * Bt::kBlockM;
             const float* sD_i = sD + buf * Bt::kBlockM;
-            tiles_landed<Bt>();  // Q_i, dO_i have landed; every warp is done with the last step's tiles
+            // Q_i, dO_i have landed; every warp is done with the last step's tiles.
+            if constexpr (kTma) {
+                tma_tile_landed(landed + 8 * buf, phases >> buf & 1);
+                phases ^= 1u << buf;
+            } else {
+                tiles_landed<Bt>();
+            }
             const unsigned sdO_i = sdO + (Bt::kDoBuffers == 2 ? buf : 0) * Bt::kQueryTileBytes;
             if (has_next) {
-                load_query_block<Bt>(params, sQ + (1 - buf) * Bt::kQueryTileBytes,
-                                     sLse2 + (1 - buf) * Bt::kBlockM, sD + (1 - buf) * Bt::kBlockM, q_batch,
-                                     head_idx, next_row0);
-                if (Bt::kDoBuffers == 2)
-                    load_dout_block<Bt>(params, sdO + (1 - buf) * Bt::kQueryTileBytes, q_batch, head_idx,
-                                        next_row0);
+                if constexpr (kTma) {
+                    load_row_stats<Bt>(params, sLse2 + (1 - buf) * Bt::kBlockM, sD + (1 - buf) * Bt::kBlockM,
+                                       q_batch, head_idx, next_row0);
+                    load_query_tiles_tma<Bt>(maps, sQ + (1 - buf) * Bt::kQueryTileBytes,
+                                             sdO + (1 - buf) * Bt::kQueryTileBytes, landed + 8 * (1 - buf),
+                                             next_row0, head_idx, q_batch);
+                } else {
+                    load_query_block<Bt>(params, sQ + (1 - buf) * Bt::kQueryTileBytes,
+                                         sLse2 + (1 - buf) * Bt::kBlockM, sD + (1 - buf) * Bt::kBlockM, q_batch,
+                                         head_idx, next_row0);
+                    if (Bt::kDoBuffers == 2)
+                        load_dout_block<Bt>(params, sdO + (1 - buf) * Bt::kQueryTileBytes, q_batch, head_idx,
+                                            next_row0);
+                }
             }
             cp_async_commit();
 
@@ -418,12 +483,12 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             unsigned sDq_stage = 0;
             if constexpr (kTma) sDq_stage = sDq + dq_stage * Bt::kWarpgroups * Bt::kDqShareBytes;
             if (params.dq_accum != nullptr && dq_first)
-                add_dq_share<Bt, kScoreMod, kTma>(params, dq_map, sDq_stage, sdSt, sK, q_row0, col_out0, q_batch,
+                add_dq_share<Bt, kScoreMod, kTma>(params, maps.dq, sDq_stage, sdSt, sK, q_row0, col_out0, q_batch,
                                                   head_idx, warp, lane);
             if (Bt::kDoBuffers == 2) mma_other_queries<Bt>(dV, sPt_warp, sdO_i, wq, warp_cols, lane);
             mma_other_queries<Bt>(dK, sdSt_warp, sQ_i, wq, warp_cols, lane);
             if (params.dq_accum != nullptr && !dq_first)
-                add_dq_share<Bt, kScoreMod, kTma>(params, dq_map, sDq_stage, sdSt, sK, q_row0, col_out0, q_batch,
+                add_dq_share<Bt, kScoreMod, kTma>(params, maps.dq, sDq_stage, sdSt, sK, q_row0, col_out0, q_batch,
                                                   head_idx, warp, lane);
             dq_stage ^= 1;
             if constexpr (Bt::kWgmma && kOverlap) {

@@ -101,6 +101,14 @@ struct KvTensorMaps {
 };
 static_assert(sizeof(KvTensorMaps) == 256, "cupyflash/_tma.py passes 2 x 128 bytes");
 
+// The Hopper dK/dV kernel's maps, for its TMA builds: the float32 dQ workspace's, into which dQ_i's
+// shares are added (boxes of 32 columns by 64 queries), and Q's and dO's, like K's above with
+// boxes of one panel by a query block's rows.
+struct BwdTensorMaps {
+    TensorMap dq, q, dout;
+};
+static_assert(sizeof(BwdTensorMaps) == 384, "cupyflash/_tma.py passes 3 x 128 bytes");
+
 // Thread 0 asks the TMA for a [kRows][head dim] tile of (head, batch)'s rows row0..: one box per
 // 64-column panel, all counted on `barrier`'s current phase.
 template <typename Tt, int kRows>

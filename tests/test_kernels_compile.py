@@ -335,7 +335,7 @@ def test_a_tensor_map_the_driver_declines_means_the_cp_async_build(monkeypatch):
 
     u64_4, u64_3, u32_4 = ctypes.c_uint64 * 4, ctypes.c_uint64 * 3, ctypes.c_uint32 * 4
     monkeypatch.setattr(_tma, "_encode_tiled", lambda: (declining, u64_4, u64_3, u32_4))
-    _tma._kv_tensor_maps.cache_clear()
+    _tma._tile_tensor_maps.cache_clear()
     try:
         fields = {"k": 4096, "v": 8192, "k_batch_stride": 64000, "k_row_stride": 128, "k_head_stride": 64,
                   "v_batch_stride": 64000, "v_row_stride": 128, "v_head_stride": 64}
@@ -344,7 +344,7 @@ def test_a_tensor_map_the_driver_declines_means_the_cp_async_build(monkeypatch):
         assert list(calls[0][4]) == [64, 500, 2, 2] and list(calls[0][5]) == [256, 128, 128000]
         assert list(calls[0][6]) == [64, 128, 1, 1]
     finally:
-        _tma._kv_tensor_maps.cache_clear()
+        _tma._tile_tensor_maps.cache_clear()
 
 
 @pytest.mark.parametrize("head_dim,causal,sparse,mods,deterministic,tma", [
@@ -383,9 +383,8 @@ def test_the_hopper_dkdv_kernel_takes_its_tma_builds_where_they_exist(monkeypatc
         _instantiations.WgmmaBwdDkdvKernel("bfloat16", 64, True, score_mod=True, tma=True)
 
 
-def test_the_dq_workspace_map(monkeypatch):
-    """dq_accum (float32, contiguous (batch, seqlen_q, heads, head_dim)) as a 4-D map of 32 x 64
-    boxes; head dims that are not multiples of 4 have rows off 16-byte boundaries: no map."""
+def _recording_encoder(monkeypatch) -> list:
+    """Stands in for cuTensorMapEncodeTiled, succeeding; returns the list its calls' arguments go to."""
     import ctypes
 
     from cupyflash import _tma
@@ -398,10 +397,19 @@ def test_the_dq_workspace_map(monkeypatch):
 
     u64_4, u64_3, u32_4 = ctypes.c_uint64 * 4, ctypes.c_uint64 * 3, ctypes.c_uint32 * 4
     monkeypatch.setattr(_tma, "_encode_tiled", lambda: (encoding, u64_4, u64_3, u32_4))
+    return calls
+
+
+def test_the_dq_workspace_map(monkeypatch):
+    """dq_accum (float32, contiguous (batch, seqlen_q, heads, head_dim)) as a 4-D map of 32 x 64
+    boxes; head dims that are not multiples of 4 have rows off 16-byte boundaries: no map."""
+    from cupyflash import _tma
+
+    calls = _recording_encoder(monkeypatch)
     _tma._dq_tensor_map.cache_clear()
     try:
         made = _tma.dq_tensor_map(4096, (2, 500, 3), 100)
-        assert made is not None and made.nbytes == _tma.TENSOR_MAP_BYTES == _tma.NO_MAP.nbytes
+        assert made is not None and made.nbytes == _tma.TENSOR_MAP_BYTES
         assert len(calls) == 1 and calls[0][1] == 7 and calls[0][2] == 4  # float32, 4-D
         assert list(calls[0][4]) == [100, 500, 3, 2] and list(calls[0][5]) == [1200, 400, 600000]
         assert list(calls[0][6]) == [32, 64, 1, 1]
@@ -409,3 +417,33 @@ def test_the_dq_workspace_map(monkeypatch):
         assert _tma.dq_tensor_map(4096, (1, 500, 1), 100) is not None  # one head, one batch entry
     finally:
         _tma._dq_tensor_map.cache_clear()
+
+
+def test_the_dkdv_kernels_maps(monkeypatch):
+    """BwdTensorMaps: dq_accum's map, then Q's and dO's (16-bit, 64-column panels by the kernel's
+    query block, over their own strides); none at all where any one cannot be made, so the launch
+    takes the build without TMA."""
+    from cupyflash import _tma
+
+    calls = _recording_encoder(monkeypatch)
+    _tma._dq_tensor_map.cache_clear()
+    _tma._tile_tensor_maps.cache_clear()
+    try:
+        # q: heads interleaved in a wider array (head stride 2 x 64); dout contiguous.
+        fields = {"q": 8192, "q_batch_stride": 500 * 6 * 64, "q_row_stride": 6 * 64, "q_head_stride": 128,
+                  "dout": 16384, "dout_batch_stride": 500 * 3 * 64, "dout_row_stride": 3 * 64, "dout_head_stride": 64}
+        maps = _tma.bwd_tensor_maps(fields, 4096, (2, 500, 3), "bfloat16", 64, 128)
+        assert maps is not None and maps.nbytes == _tma.NO_BWD_MAPS.nbytes == 3 * _tma.TENSOR_MAP_BYTES == 384
+        assert [c[3] for c in calls] == [4096, 8192, 16384]  # dq_accum, q, dout: BwdTensorMaps' order
+        assert [c[1] for c in calls] == [7, 9, 9]  # float32, then bfloat16
+        assert list(calls[1][4]) == [64, 500, 3, 2] and list(calls[1][5]) == [768, 256, 384000]
+        assert list(calls[1][6]) == [64, 128, 1, 1] and list(calls[2][5]) == [384, 128, 192000]
+        calls.clear()
+        fields["dout"] += 2  # off 16-byte alignment: no map for dO, hence none
+        assert _tma.bwd_tensor_maps(fields, 4096, (2, 500, 3), "bfloat16", 64, 128) is None
+        fields["dout"] -= 2
+        fields["q_head_stride"] = 100  # heads 200 bytes apart
+        assert _tma.bwd_tensor_maps(fields, 4096, (2, 500, 3), "bfloat16", 64, 128) is None
+    finally:
+        _tma._dq_tensor_map.cache_clear()
+        _tma._tile_tensor_maps.cache_clear()

@@ -284,26 +284,39 @@ def test_tma_falls_back_where_no_tensor_map_fits(rng, nan_outputs, hopper, dtype
     assert took_hopper(hopper)
 
 
-# The dK/dV kernel's TMA builds (kTma: dQ_i's shares added to the float32 workspace by the TMA, not
-# by atomics; every variant without score modifiers). Query blocks cut short by seqlen_q (rows the
-# TMA clips from its adds), head dims 40 and 112 (columns likewise), GQA, batch > 1, strided K, V.
+# The dK/dV kernel's TMA builds (kTma: Q_i and dO_i copied, and dQ_i's shares added to the float32
+# workspace, by the TMA, not by every thread's cp.async copies and atomics; every variant without
+# score modifiers). Query blocks cut short by seqlen_q (rows the TMA zero-fills in its copies and
+# clips from its adds), head dims 40, 104 and 112 (columns likewise), GQA, batch > 1, strided Q, dO,
+# K and V.
 TMA_DQ_SHAPES = [(2, 70, 1, 4, 2, 64), (2, 203, 331, 4, 2, 40), (3, 129, 257, 2, 2, 112), (1, 515, 700, 4, 4, 128),
-                 (2, 1, 90, 2, 1, 100)]
+                 (2, 1, 90, 2, 1, 104)]
+
+
+def _strided_like(rng, q):
+    """An array of q's shape and dtype whose heads are interleaved in a twice-wider one."""
+    import cupy
+
+    batch, seqlen, heads, head_dim = q.shape
+    wide = cupy.asarray(rng.standard_normal((batch, seqlen, 2 * heads, head_dim)).astype(q.dtype))
+    return wide[:, :, 1::2]
 
 
 @pytest.mark.parametrize("variant", ["dense", "causal", "block_sparse"])
 @pytest.mark.parametrize("shape", TMA_DQ_SHAPES)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_tma_dq_build_matches_the_atomic_build(rng, monkeypatch, nan_outputs, hopper, dtype, shape, variant):
-    """dK_j and dV_j are computed as before: equal bit for bit. dQ sums the same shares in another
-    order (neither build's is fixed): within the reference's tolerance, as the atomic build's."""
-    import cupy
+    """The copy engine brings the same Q_i, dO_i tiles as the threads' copies: dK_j and dV_j are
+    equal bit for bit. dQ sums the same shares in another order (neither build's is fixed): within
+    the reference's tolerance, as the atomic build's."""
     from shapes import bits
 
     if not hopper.backward:
         pytest.skip("the Hopper dK/dV kernel is switched off in this run")
     q, k, v = _tma_inputs(rng, dtype, shape)
-    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    q = _strided_like(rng, q)
+    dout = _strided_like(rng, q)
+    assert not q.flags.c_contiguous and not dout.flags.c_contiguous
     causal = variant == "causal"
     mask = None
     if variant == "block_sparse":
@@ -331,15 +344,20 @@ def test_tma_dq_build_matches_the_atomic_build(rng, monkeypatch, nan_outputs, ho
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_tma_dq_falls_back_to_atomics(rng, nan_outputs, hopper, dtype):
-    """Head dims 59 and 111 (dQ rows of 236, 444 bytes: not multiples of 16) have no tensor map,
-    and deterministic mode no workspace: the atomic build serves (or none), with results as ever."""
+    """Head dims 59 and 111 (dQ rows of 236, 444 bytes: not multiples of 16) have no tensor map;
+    at head dim 100 the dQ workspace has one but Q and dO (heads 200 bytes apart) have none; a dO
+    2 bytes off 16-byte alignment has none; deterministic mode has no workspace. The build without
+    TMA serves (or none), with results as ever."""
     import cupy
 
     if not hopper.backward:
         pytest.skip("the Hopper dK/dV kernel is switched off in this run")
-    for head_dim, deterministic in ((59, False), (111, False), (64, True)):
+    for head_dim, deterministic, misaligned in ((59, False, False), (111, False, False), (100, False, False),
+                                                (64, False, True), (64, True, False)):
         q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 113, 203, 3, head_dim))
-        dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+        dout = cupy.asarray(rng.standard_normal(q.size + 1).astype(q.dtype))
+        dout = dout[1:] if misaligned else dout[:-1]
+        dout = dout.reshape(q.shape)
         out, lse = cupyflash.attention(q, k, v, return_lse=True)
         grads = cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic)
         assert isinstance(hopper[-1], inst.WgmmaBwdDkdvKernel) and not hopper[-1].tma
