@@ -40,10 +40,10 @@ __device__ __forceinline__ void load_row_stats(const BwdParams& params, float* s
 template <typename Bt>
 __device__ __forceinline__ void load_query_block(const BwdParams& params, unsigned sQ, float* sLse2, float* sD,
                                                  int batch_idx, int head_idx, int q_row0) {
+    const int rows_valid = min(Bt::kBlockM, params.seqlen_q - q_row0);
     const auto* q = static_cast<const typename Bt::Storage*>(params.q) + batch_idx * params.q_batch_stride +
                     head_idx * params.q_head_stride + q_row0 * params.q_row_stride;
-    load_tile_async<Bt, Bt::kBlockM>(sQ, q, params.q_row_stride, min(Bt::kBlockM, params.seqlen_q - q_row0),
-                                     params.head_dim);
+    load_tile_async<Bt, Bt::kBlockM>(sQ, q, params.q_row_stride, rows_valid, params.head_dim);
     load_row_stats<Bt>(params, sLse2, sD, batch_idx, head_idx, q_row0);
 }
 

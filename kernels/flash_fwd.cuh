@@ -137,6 +137,11 @@ struct TileSequence {
     int begin, end;
     __device__ __forceinline__ int operator[](int t) const {
         if constexpr (kIsBlockSparse) {
+            // A mask block of one tile (128 x 128 blocks, the default, at the Hopper tiles) needs
+            // no division by the runtime per_block: its ~30 instructions per warp and step made the
+            // Hopper d128 forward execute 7% more instructions than the dense one (benchmarks/NOTES.md,
+            // session 28).
+            if (per_block == 1) return blocks[t];
             return blocks[t / per_block] * per_block + t % per_block;
         } else {
             return t;

@@ -1,0 +1,52 @@
+"""The block-sparse forward kernel against the dense one, kernels alone, a development tool.
+
+    python benchmarks/fwd_sparse_overhead.py
+
+For the sparse grid's shapes (batch x seqlen = 16384 tokens, hidden 2048, bfloat16) it replays the
+launches of one dense `attention` call and of `block_sparse_attention` calls with random masks
+(bench_sparse.make_mask) back to back (bench._median_ms), and prints microseconds and the sparse
+kernel's time over density x the dense kernel's: what the mask walk costs apart from the host.
+"""
+
+import pathlib
+import sys
+
+import numpy
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+
+def main(argv=None):
+    import cupy
+
+    import bench
+    import bench_sparse
+    import cupyflash
+    from bwd_breakdown import record_launches
+    from cupyflash import _attention
+    from cupyflash._validation import BFLOAT16
+
+    def kernels_us(call) -> float:
+        launches = record_launches(call)
+        return bench._median_ms(lambda: [_attention._launch(*launch[:4], *launch[4]) for launch in launches],
+                                0.3) * 1e3
+
+    print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    print(f"{'d':>4} {'seqlen':>6} {'density':>7} | {'us':>8} {'/ (density x dense)':>20}")
+    for d in (64, 128):
+        for seqlen in (4096, 16384):
+            batch, heads = 16384 // seqlen, 2048 // d
+            rs = cupy.random.default_rng(d)
+            q, k, v = (rs.standard_normal((batch, seqlen, heads, d), dtype=numpy.float32).astype(BFLOAT16)
+                       for _ in range(3))
+            dense = kernels_us(lambda: cupyflash.attention(q, k, v, return_lse=True))
+            print(f"{d:>4} {seqlen:>6} {'dense':>7} | {dense:8.1f}")
+            for density in (1.0, 0.25, 0.1):
+                mask = bench_sparse.make_mask("random", density, seqlen, heads, numpy.random.default_rng(seqlen + d))
+                us = kernels_us(lambda: cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True))
+                print(f"{d:>4} {seqlen:>6} {mask.density:7.3f} | {us:8.1f} {us / (mask.density * dense):20.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
