@@ -6,8 +6,9 @@ Captures the launches one attention_backward (or block_sparse_attention_backward
 then times each alone (median of CUDA-event-timed replays, cupyx.profiler.benchmark): the
 preprocess (D_i, lse_i·log2(e), and the dQ workspace cleared: a memset of its own before session
 26), the dK/dV kernel (its TMA build where
-one serves, and its atomic twin), the dK/dV kernel with no dQ (dq_accum null: what the dQ products
-and adds cost), and the dQ conversion; then the whole call. Batch x seqlen = 16384 tokens, hidden 2048, bfloat16, as the sparse grid.
+one serves, and its twin without TMA: cp.async copies, atomic dQ adds, the "atomic" column), the
+twin with no dQ (dq_accum null: what the dQ products and adds cost), and the dQ conversion; then
+the whole call. Batch x seqlen = 16384 tokens, hidden 2048, bfloat16, as the sparse grid.
 """
 
 import argparse

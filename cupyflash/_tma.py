@@ -11,10 +11,10 @@ dO's, from which it loads Q_i and dO_i.
 Each map is 4-D, innermost first: (head dim, keys or queries, heads, batch), with the arrays' own
 byte strides, so strided views need no copy. K's and V's box (and Q's and dO's) is one 64-column
 panel (128 bytes, the widest the 128-byte swizzle allows) by a key (query) block's rows; rows past
-the sequence, and columns past the head dim, read as zeros. TMA needs a 16-byte-aligned base and strides that are positive multiples
-of 16 bytes: the map functions return None for arrays outside that (odd head dims' rows, some
-views), or that the driver declines, and those problems keep the build without TMA (cp.async
-copies; atomic dQ adds).
+the sequence, and columns past the head dim, read as zeros. TMA needs a 16-byte-aligned base and
+strides that are positive multiples of 16 bytes: the map functions return None for arrays outside
+that (odd head dims' rows, some views), or that the driver declines, and those problems keep the
+build without TMA (cp.async copies; atomic dQ adds).
 """
 
 from __future__ import annotations
