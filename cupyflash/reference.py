@@ -511,12 +511,15 @@ def _mask_slabs(p):
             yield (b, h), (everything if mb == 1 else slice(b, b + 1)), (everything if mh == 1 else slice(h, h + 1))
 
 
-def sparse_tiles(blocks, count: int, per_block: int, lo: int, hi: int) -> list[int]:
-    """The kernels' tile walk over one mask row (kernels/flash_fwd.cuh, sparse_tiles and
-    TileSequence): the tiles, per_block to a block, of the ascending nonzero `blocks[:count]`
-    that fall in [lo, hi), in order, found with the same binary searches and cuts."""
+def sparse_tiles(blocks, count: int, row_blocks: int, per_block: int, lo: int, hi: int) -> list[int]:
+    """The kernels' tile walk over one mask row of row_blocks blocks (kernels/flash_fwd.cuh,
+    sparse_tiles and TileSequence): the tiles, per_block to a block, of the ascending nonzero
+    `blocks[:count]` that fall in [lo, hi), in order, found with the same shortcut, binary
+    searches and cuts."""
     if lo >= hi:
         return []
+    if lo == 0 and hi >= row_blocks * per_block:  # every block whole: no index read for the range
+        return [int(blocks[t // per_block]) * per_block + t % per_block for t in range(count * per_block)]
     blocks = [int(x) for x in blocks[:count]]
     first = 0 if lo == 0 else bisect.bisect_left(blocks, lo // per_block)
     last = bisect.bisect_left(blocks, -(-hi // per_block))
@@ -536,7 +539,7 @@ def key_tiles(p, slab, row0: int, rows: int, block_n: int) -> list[int]:
     bq, bk = p.block_mask.block_size
     count, index = p.block_mask.kv_count[slab], p.block_mask.kv_index[slab]
     r = row0 // bq
-    return sparse_tiles(index[r], int(count[r]), bk // block_n, lo, hi)
+    return sparse_tiles(index[r], int(count[r]), index.shape[-1], bk // block_n, lo, hi)
 
 
 def query_tiles(p, slab, col0: int, cols: int, block_m: int) -> list[int]:
@@ -553,7 +556,7 @@ def query_tiles(p, slab, col0: int, cols: int, block_m: int) -> list[int]:
     bq, bk = p.block_mask.block_size
     count, index = p.block_mask.q_count[slab], p.block_mask.q_index[slab]
     c = col0 // bk
-    return sparse_tiles(index[c], int(count[c]), bq // block_m, lo, hi)
+    return sparse_tiles(index[c], int(count[c]), index.shape[-1], bq // block_m, lo, hi)
 
 
 def tiled_attention_backward(

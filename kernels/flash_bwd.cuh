@@ -87,11 +87,11 @@ __device__ __forceinline__ TileSequence<kIsBlockSparse> query_tiles(const BwdPar
         hi = max(lo, min(hi, last_query < 0 ? 0 : last_query / kBlockM + 1));
     }
     if constexpr (!kIsBlockSparse) {
-        return {nullptr, 1, lo, hi};
+        return {nullptr, 1, lo, hi, 0};
     } else {
         const long long col = mask_slab(params, batch_idx, head_idx) * params.mask_k_blocks + key0 / params.mask_block_k;
         return sparse_tiles(params.q_block_index + col * params.mask_q_blocks, params.q_block_count[col],
-                            params.mask_block_q / kBlockM, lo, hi);
+                            params.mask_q_blocks, params.mask_block_q / kBlockM, lo, hi);
     }
 }
 

@@ -290,6 +290,8 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
         const auto after = [&](int t) { return t + 1 < query_blocks.end ? t + 1 : query_blocks.begin; };
         if (m_blocks > 0) {
             if constexpr (kTma) {
+                // (The copies asked for before the row statistics' loads, here and in the loop,
+                // made the d128 kernel 5-6% slower: benchmarks/NOTES.md, session 29.)
                 load_row_stats<Bt>(params, sLse2, sD, q_batch, head_idx, query_blocks[t] * Bt::kBlockM);
                 load_query_tiles_tma<Bt>(maps, sQ, sdO, landed, query_blocks[t] * Bt::kBlockM, head_idx, q_batch);
             } else {
@@ -504,8 +506,10 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
         __syncthreads();  // every warp is done with this head's last Q_i, dO_i before the next head's land
     }
     cp_async_wait<0>();  // nothing may still be landing when the block exits
-    if constexpr (kTma)  // nor may the TMA still be adding from its shared memory
-        if (threadIdx.x % 128 == 0) bulk_wait_group<0>();
+    // Nor may the TMA still be reading its shared memory. Only the reads are waited for: the adds
+    // in L2 complete with the launch (as a TMA store's writes do), before the conversion reads dQ.
+    if constexpr (kTma)
+        if (threadIdx.x % 128 == 0) bulk_wait_group_read<0>();
 
     const int warp_key0 = key0 + warp_keys;
     Storage* dk = static_cast<Storage*>(params.dk) + k_batch * params.dk_batch_stride +

@@ -135,6 +135,7 @@ struct TileSequence {
     const int* blocks;  // the mask row's ascending nonzero block indices (block-sparse only)
     int per_block;
     int begin, end;
+    int head;  // blocks[0], read together with the row's count (block-sparse only)
     __device__ __forceinline__ int operator[](int t) const {
         if constexpr (kIsBlockSparse) {
             // A mask block of one tile (128 x 128 blocks, the default, at the Hopper tiles) needs
@@ -146,6 +147,12 @@ struct TileSequence {
         } else {
             return t;
         }
+    }
+    // The first tile, (*this)[begin]. A walk from the row's first block takes it from `head`: one
+    // dependent load fewer before a block's first K_j can be asked for.
+    __device__ __forceinline__ int first() const {
+        if (kIsBlockSparse && begin == 0) return head * per_block;
+        return (*this)[begin];
     }
 };
 
@@ -159,19 +166,26 @@ __device__ __forceinline__ int lower_bound(const int* blocks, int count, int val
     return lo;
 }
 
-// The tiles in [lo, hi) of a mask row whose `count` nonzero blocks are `blocks`: tiles outside
-// (past the causal diagonal, past the sequence's end) are never visited, whole blocks found by
-// binary search, the first and last cut to the range.
-__device__ __forceinline__ TileSequence<true> sparse_tiles(const int* blocks, int count, int per_block, int lo, int hi) {
-    if (lo >= hi || count == 0) return {blocks, per_block, 0, 0};
+// The tiles in [lo, hi) of a mask row whose `count` nonzero blocks are `blocks` (of row_blocks
+// blocks in all): tiles outside (past the causal diagonal, past the sequence's end) are never
+// visited, whole blocks found by binary search, the first and last cut to the range.
+__device__ __forceinline__ TileSequence<true> sparse_tiles(const int* blocks, int count, int row_blocks, int per_block,
+                                                           int lo, int hi) {
+    const int head = blocks[0];  // (the row holds row_blocks >= 1 entries, whatever its count)
+    if (lo >= hi || count == 0) return {blocks, per_block, 0, 0, head};
+    // A range holding every tile of every block of the row (no band, no sequence end inside a
+    // block) takes all `count` blocks whole, with no index read: the block's prologue otherwise
+    // waits for count, then blocks[count - 1], then its first tile's index, one after the other,
+    // before the first tile can be asked for.
+    if (lo == 0 && hi >= row_blocks * per_block) return {blocks, per_block, 0, count * per_block, head};
     // Searched only where the range cuts the row (causal); otherwise the whole row is in it.
     const int first = lo == 0 ? 0 : lower_bound(blocks, count, lo / per_block);
     const int hi_block = ceil_div(hi, per_block);
     const int last = blocks[count - 1] < hi_block ? count : lower_bound(blocks, count, hi_block);  // one past
-    if (first >= last) return {blocks, per_block, 0, 0};
+    if (first >= last) return {blocks, per_block, 0, 0, head};
     const int begin = first * per_block + max(0, lo - blocks[first] * per_block);
     const int end = (last - 1) * per_block + min(per_block, hi - blocks[last - 1] * per_block);
-    return {blocks, per_block, begin, end};
+    return {blocks, per_block, begin, end, head};
 }
 
 // The score modifiers of current models, on a score x = scale·q_i·k_j in the kernels' log2 units:
@@ -294,11 +308,11 @@ __device__ __forceinline__ TileSequence<kIsBlockSparse> key_tiles(const Params& 
                                                                   int row0, int rows_valid) {
     const int2 visible = visible_key_tiles<kBlockN, kIsLocal>(params, row0, rows_valid);
     if constexpr (!kIsBlockSparse) {
-        return {nullptr, 1, visible.x, visible.y};
+        return {nullptr, 1, visible.x, visible.y, 0};
     } else {
         const long long row = mask_slab(params, batch_idx, head_idx) * params.mask_q_blocks + row0 / params.mask_block_q;
         return sparse_tiles(params.kv_block_index + row * params.mask_k_blocks, params.kv_block_count[row],
-                            params.mask_block_k / kBlockN, visible.x, visible.y);
+                            params.mask_k_blocks, params.mask_block_k / kBlockN, visible.x, visible.y);
     }
 }
 

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         __syncthreads();
     }
     if (key_blocks.begin < key_blocks.end) {
-        const int first = kIsBlockSparse || kIsLocal ? key_blocks[key_blocks.begin] * Kt::kBlockN : 0;
+        const int first = kIsBlockSparse || kIsLocal ? key_blocks.first() * Kt::kBlockN : 0;
         next_col0 = first;
         if constexpr (kTma)
             load_tile_tma<Kt, Kt::kBlockN>(sK, maps.k, k_landed, first, kv_head, k_batch);

@@ -121,7 +121,8 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap& map, 
 // into the tensor at element coordinates (c0 innermost .. c3), element by element in L2, clipping
 // what falls past the tensor's bounds. Its completion is tracked per issuing thread in bulk
 // groups: commit closes one, and wait_group_read<N> returns once all but the N newest have read
-// their shared memory (which may then be rewritten), bulk_wait_group<N> once their adds are done.
+// their shared memory (which may then be rewritten). The adds themselves complete by the end of
+// the launch, as a TMA store's writes do (the kernels that read the sums are later launches).
 // The threads' shared-memory writes reach the TMA (async proxy) through fence_proxy_async and a
 // barrier before the issue.
 __device__ __forceinline__ void tma_reduce_add_4d(const TensorMap& map, unsigned src, int c0, int c1, int c2, int c3) {
@@ -133,9 +134,6 @@ __device__ __forceinline__ void tma_reduce_add_4d(const TensorMap& map, unsigned
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int kPending> __device__ __forceinline__ void bulk_wait_group_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
-}
-template <int kPending> __device__ __forceinline__ void bulk_wait_group() {
-    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Barrier `id` (1..15; 0 is __syncthreads') among `threads` threads, whole warps: a warpgroup's own.

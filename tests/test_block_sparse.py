@@ -147,14 +147,20 @@ def test_bad_constructor_arguments():
 def test_sparse_tiles_visits_the_tiles_of_nonzero_blocks_in_range(rng):
     """reference.sparse_tiles mirrors the kernels' sparse_tiles/TileSequence line for line; here
     it is checked against its definition."""
+    whole_rows = 0
     for _ in range(2000):
         n_blocks = int(rng.integers(1, 12))
         blocks = numpy.flatnonzero(rng.random(n_blocks) < rng.random())
         per_block = int(rng.choice([1, 2, 4]))
+        # Ranges that cut the row, and (a third) ranges from 0 to its end or past it, the shortcut's.
         lo, hi = sorted(int(x) for x in rng.integers(0, n_blocks * per_block + 1, 2))
+        if rng.random() < 1 / 3:
+            lo, hi = 0, n_blocks * per_block + int(rng.integers(-per_block, per_block + 1))
+        whole_rows += lo == 0 and hi >= n_blocks * per_block
         expected = [b * per_block + s for b in blocks for s in range(per_block) if lo <= b * per_block + s < hi]
-        padded = numpy.concatenate([blocks, -numpy.ones(3, int)])
-        assert reference.sparse_tiles(padded, blocks.size, per_block, lo, hi) == expected
+        padded = numpy.concatenate([blocks, -numpy.ones(n_blocks - blocks.size, int)])
+        assert reference.sparse_tiles(padded, blocks.size, n_blocks, per_block, lo, hi) == expected
+    assert whole_rows > 300
 
 
 # --------------------------------------------------------------------------- reference
