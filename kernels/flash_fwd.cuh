@@ -135,7 +135,7 @@ struct TileSequence {
     const int* blocks;  // the mask row's ascending nonzero block indices (block-sparse only)
     int per_block;
     int begin, end;
-    int head;  // blocks[0], read together with the row's count (block-sparse only)
+    int head;  // blocks[0], read together with the row's count, whatever it is (block-sparse only)
     __device__ __forceinline__ int operator[](int t) const {
         if constexpr (kIsBlockSparse) {
             // A mask block of one tile (128 x 128 blocks, the default, at the Hopper tiles) needs
@@ -171,7 +171,7 @@ __device__ __forceinline__ int lower_bound(const int* blocks, int count, int val
 // visited, whole blocks found by binary search, the first and last cut to the range.
 __device__ __forceinline__ TileSequence<true> sparse_tiles(const int* blocks, int count, int row_blocks, int per_block,
                                                            int lo, int hi) {
-    const int head = blocks[0];  // (the row holds row_blocks >= 1 entries, whatever its count)
+    const int head = row_blocks > 0 ? blocks[0] : 0;  // (no keys or no queries: the rows are empty)
     if (lo >= hi || count == 0) return {blocks, per_block, 0, 0, head};
     // A range holding every tile of every block of the row (no band, no sequence end inside a
     // block) takes all `count` blocks whole, with no index read: the block's prologue otherwise

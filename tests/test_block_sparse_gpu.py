@@ -52,6 +52,17 @@ def test_random_masks(rng, nan_outputs, dtype, density, causal, deterministic):
     run_block_sparse(rng, dtype, (2, seqlen_q, seqlen_k, heads, 59), mask, causal, deterministic)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 0), (0, 33)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_keys_or_no_queries(rng, nan_outputs, dtype, seqlen_q, seqlen_k, causal):
+    """A mask with no key blocks (or no query blocks) has index rows with no entries, which the
+    kernels must not read (they read a row's first entry beside its count): out 0 and lse -inf
+    with no keys, dk and dv 0 with no queries."""
+    mask = BlockMask(numpy.ones((2, math.ceil(seqlen_q / 128), math.ceil(seqlen_k / 128)), bool))
+    run_block_sparse(rng, dtype, (2, seqlen_q, seqlen_k, 2, 64), mask, causal)
+
+
 @pytest.mark.parametrize("head_dim", [16, 40, 64, 96, 128, 200, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_every_head_dim_class(rng, nan_outputs, dtype, head_dim):
