@@ -1,6 +1,6 @@
 """Where the backward's time goes, kernel by kernel, a development tool.
 
-    python benchmarks/bwd_breakdown.py [--head-dim 128] [--seqlen 4096] [--density 1.0]
+    python benchmarks/bwd_breakdown.py [--head-dim 128] [--seqlen 4096] [--density 1.0] [--pattern random]
 
 Captures the launches one attention_backward (or block_sparse_attention_backward) call makes,
 then times each alone (median of CUDA-event-timed replays, cupyx.profiler.benchmark): the
@@ -8,7 +8,9 @@ preprocess (D_i, lse_i·log2(e), and the dQ workspace cleared: a memset of its o
 26), the dK/dV kernel (its TMA build where
 one serves, and its twin without TMA: cp.async copies, atomic dQ adds, the "atomic" column), the
 twin with no dQ (dq_accum null: what the dQ products and adds cost), and the dQ conversion; then
-the whole call. Batch x seqlen = 16384 tokens, hidden 2048, bfloat16, as the sparse grid.
+the whole call. Batch x seqlen = 16384 tokens, hidden 2048, bfloat16, as the sparse grid. The mask:
+each block kept with probability --density, or with --pattern the sparse grid's own mask of that
+pattern and density (bench_sparse.make_mask, the same seed).
 """
 
 import argparse
@@ -29,6 +31,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, action="append")
     ap.add_argument("--seqlen", type=int, action="append")
     ap.add_argument("--density", type=float, default=1.0, help="random block mask of this density (< 1)")
+    ap.add_argument("--pattern", choices=("random", "local"), help="the sparse grid's mask (bench_sparse.py)")
     ap.add_argument("--n-repeat", type=int, default=30)
     args = ap.parse_args(argv)
     rng = numpy.random.default_rng(0)
@@ -41,7 +44,11 @@ def main(argv=None):
             q, k, v, dout = (cupy.random.standard_normal((b, s, h, d), dtype=numpy.float32).astype(BFLOAT16)
                              for _ in range(4))
             mask = None
-            if args.density < 1:
+            if args.pattern:
+                from bench_sparse import make_mask
+
+                mask = make_mask(args.pattern, args.density, s, h, numpy.random.default_rng(s + d))
+            elif args.density < 1:
                 blocks = -(-s // 128)
                 mask = cupyflash.BlockMask(rng.random((h, blocks, blocks)) < args.density)
             if mask is None:
@@ -71,7 +78,7 @@ def main(argv=None):
             times["call"] = benchmark(call, n_repeat=args.n_repeat, n_warmup=3)
             us = {key: float(numpy.median(t.gpu_times[0])) * 1e6 for key, t in times.items()}
             total = us["prep"] + us["dkdv"] + us["convert"]
-            print(f"{d:>4} {s:>6} {args.density:>7} | {us['prep']:7.1f} {us['dkdv']:8.1f} "
+            print(f"{d:>4} {s:>6} {args.density if mask is None else round(mask.density, 3):>7} | {us['prep']:7.1f} {us['dkdv']:8.1f} "
                   f"{us['atomic']:8.1f} {us['no dQ']:8.1f} {us['convert']:7.1f} {total:8.1f} {us['call']:8.1f}"
                   f"{'  (TMA dQ)' if twin is not kernel else ''}")
     return 0

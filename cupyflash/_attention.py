@@ -376,7 +376,7 @@ def _slopes_fields(fields: dict, p: _validation.AttentionProblem):
     return slopes
 
 
-_MASK_POINTERS = ("kv_block_count", "kv_block_index", "q_block_count", "q_block_index")
+_MASK_POINTERS = ("kv_block_count", "kv_block_index", "q_block_count", "q_block_index", "key_block_order")
 
 
 def _mask_fields(fields: dict, block_mask, device_id: int) -> None:
@@ -834,7 +834,14 @@ def launch_backward(
     params = _params(_instantiations.BWD_PARAMS_DTYPE, fields)
 
     def launch(kernel):
-        grid = kernel.grid(p.batch, p.heads // p.kv_group if kernel.per_kv_head else p.heads, p.seqlen_q, p.seqlen_k)
+        seqlen_k = p.seqlen_k
+        if p.block_mask is not None and isinstance(kernel, (_instantiations.BwdDkdvKernel,
+                                                            _instantiations.TcBwdDkdvKernel)):
+            # These take the mask's key blocks in its key_order, whole (flash_bwd.cuh, key_tile):
+            # the launch covers the last block's tiles past seqlen_k, which return at once.
+            block_k = p.block_mask.block_size[1]
+            seqlen_k = -(-p.seqlen_k // block_k) * block_k
+        grid = kernel.grid(p.batch, p.heads // p.kv_group if kernel.per_kv_head else p.heads, p.seqlen_q, seqlen_k)
         if grid[0] == 0:  # seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do
             return
         more = ()  # flash_bwd_tc.cu's dK/dV kernels also take the TMA builds' tensor maps (BwdTensorMaps)

@@ -36,7 +36,8 @@ class BlockMask:
     Stored, besides the boolean mask: per query block, the count and the left-packed ascending
     indices of its nonzero key blocks (``kv_count``, ``kv_index``; the forward and the
     deterministic dQ pass walk these), and the transpose, per key block, the query blocks that see
-    it (``q_count``, ``q_index``; the dK/dV pass). Blocks that a causal diagonal cuts through
+    it (``q_count``, ``q_index``; the dK/dV pass), with the order the dK/dV pass starts the key
+    blocks in (``key_order``: most query blocks first). Blocks that a causal diagonal cuts through
     are partial (`partial`): only they get per-element masking; every other nonzero block is full.
 
     Example: queries 0-255 see keys 0-127, queries 256-299 see keys 128-299::
@@ -55,7 +56,12 @@ class BlockMask:
         self._mask4 = full
         self.kv_count, self.kv_index = _compress(full)
         self.q_count, self.q_index = _compress(full.transpose(0, 1, 3, 2))
-        for array in (self.kv_count, self.kv_index, self.q_count, self.q_index):
+        # The dK/dV pass's thread blocks (one per key block) run in launch order, as many at a time
+        # as the GPU holds. Started longest first, the short ones fill the launch's tail, where
+        # the default order can leave one long block running alone (longest-processing-time
+        # first, Graham 1969; benchmarks/NOTES.md, session 30).
+        self.key_order = numpy.ascontiguousarray(numpy.argsort(-self.q_count, axis=-1, kind="stable"), numpy.int32)
+        for array in (self.kv_count, self.kv_index, self.q_count, self.q_index, self.key_order):
             array.setflags(write=False)
         self._on_device = {}
 
@@ -228,12 +234,13 @@ class BlockMask:
         return self._mask4.shape[2], self._mask4.shape[3]
 
     def device_arrays(self, device_id: int) -> tuple:
-        """kv_count, kv_index, q_count, q_index as CuPy int32 arrays on the device (copied once)."""
+        """kv_count, kv_index, q_count, q_index, key_order as CuPy int32 arrays on the device
+        (copied once)."""
         if device_id not in self._on_device:
             import cupy
 
             with cupy.cuda.Device(device_id):
-                arrays = (self.kv_count, self.kv_index, self.q_count, self.q_index)
+                arrays = (self.kv_count, self.kv_index, self.q_count, self.q_index, self.key_order)
                 self._on_device[device_id] = tuple(cupy.asarray(x) for x in arrays)
         return self._on_device[device_id]
 

@@ -367,18 +367,27 @@ class BwdRowKernel:
 
     step: str
     dtype_name: str
+    # kRowsPerBlock (8 per warp: flash_bwd.cu's RowGroups) and kHeadsFastest (the launch takes the
+    # heads of a block of rows in turn, so blocks in flight read neighbouring parts of the same
+    # rows of O, dO and the workspace): on an H200 (benchmarks/row_kernels.py; NOTES session 30)
+    # heads fastest was 2-6% faster for the preprocess and 0-4% for the conversion, and 64 or 128
+    # rows no faster than 32.
+    rows_per_block: int = 32
+    heads_fastest: bool = True
 
     source_file = "flash_bwd.cu"
-    rows_per_block = 32  # kRowsPerBlock: 8 per warp (flash_bwd.cu's RowGroups)
     num_threads = 128  # kRowThreads
     smem_bytes = 0
     per_kv_head = False
 
     @functools.cached_property
     def name_expression(self) -> str:
-        return f"cupyflash::flash_bwd_{self.step}_kernel<{ELEMENT_TYPES[self.dtype_name]}, {self.rows_per_block}>"
+        return (f"cupyflash::flash_bwd_{self.step}_kernel<{ELEMENT_TYPES[self.dtype_name]}, {self.rows_per_block}, "
+                f"{str(self.heads_fastest).lower()}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
+        if self.heads_fastest:
+            return (math.ceil(seqlen_q / self.rows_per_block) * heads, 1, batch)
         return (math.ceil(seqlen_q / self.rows_per_block), heads, batch)
 
     def host_checks(self) -> str:
@@ -895,7 +904,8 @@ BWD_PARAMS_DTYPE = numpy.dtype(
     + [("lse_batch_stride", "i8"), ("lse_head_stride", "i8"), ("lse_row_stride", "i8")]
     + [(name, "i4") for name in _SHAPE_FIELDS]
     + [("scale", "f8"), ("scale_log2", "f8")]
-    + [(name, "u8") for name in ("kv_block_count", "kv_block_index", "q_block_count", "q_block_index")]
+    + [(name, "u8") for name in ("kv_block_count", "kv_block_index", "q_block_count", "q_block_index",
+                                 "key_block_order")]
     + _MASK_FIELDS
     + [("stats_batch_stride", "i8"), ("stats_head_stride", "i8"), ("dq_accum_batch_stride", "i8")]
     + _VARLEN_FIELDS

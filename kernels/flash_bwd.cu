@@ -28,12 +28,12 @@ struct RowGroups {
     static_assert(kRowsPerWarp > 0 && kRowsPerWarp <= 32 && 32 % kRowsPerWarp == 0, "passes tile a warp's rows");
     int lanes, passes, first_row, lane_in_row;
 
-    __device__ __forceinline__ explicit RowGroups(int head_dim) {
+    __device__ __forceinline__ RowGroups(int head_dim, int row_block) {
         const int vecs = (head_dim + kVec - 1) / kVec;
         lanes = vecs <= kMinLanes ? kMinLanes : min(32, 1 << (32 - __clz(vecs - 1)));
         const int lane = threadIdx.x % 32;
         passes = kRowsPerWarp / (32 / lanes);
-        first_row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32 * kRowsPerWarp + lane / lanes;
+        first_row = row_block * kRowsPerBlock + threadIdx.x / 32 * kRowsPerWarp + lane / lanes;
         lane_in_row = lane % lanes;
     }
     __device__ __forceinline__ int row(int pass) const { return first_row + pass * (32 / lanes); }
@@ -75,18 +75,27 @@ __device__ __forceinline__ void clear_row(A* row, int head_dim, int lane_in_row,
     for (int c = tail + lane_in_row; c < head_dim; c += lanes) row[c] = A(0);
 }
 
-// Grid: (ceil(seqlen_q / kRowsPerBlock), heads, batch); RowGroups' lanes per query row.
-// Serves fixed- and variable-length batches alike (sequence_params with a runtime test).
-template <typename Element, int kRowsPerBlock>
+// The row kernels' (head, block of kRowsPerBlock rows): grid (ceil(seqlen_q / kRowsPerBlock), heads,
+// batch), or with kHeadsFastest (ceil(seqlen_q / kRowsPerBlock) x heads, 1, batch), heads fastest.
+template <bool kHeadsFastest>
+__device__ __forceinline__ int2 row_block_of(const BwdParams& params) {
+    if constexpr (kHeadsFastest) return make_int2(blockIdx.x % params.heads, blockIdx.x / params.heads);
+    return make_int2(blockIdx.y, blockIdx.x);
+}
+
+// RowGroups' lanes per query row (grid: row_block_of). Serves fixed- and variable-length batches
+// alike (sequence_params with a runtime test).
+template <typename Element, int kRowsPerBlock, bool kHeadsFastest>
 __global__ void __launch_bounds__(kRowThreads) flash_bwd_preprocess_kernel(const BwdParams launch_params) {
     using Numeric = NumericTraits<Element>;
     using Accum = typename Numeric::Accum;
     using Storage = typename Numeric::Storage;
     using Groups = RowGroups<Storage, kRowsPerBlock>;
-    const int head_idx = blockIdx.y;
+    const int2 block = row_block_of<kHeadsFastest>(launch_params);
+    const int head_idx = block.x;
     int q_batch, k_batch;
     const BwdParams params = sequence_params<true>(launch_params, blockIdx.z, q_batch, k_batch);
-    const Groups groups(params.head_dim);
+    const Groups groups(params.head_dim, block.y);
     const int j0 = groups.lane_in_row, step = groups.lanes;
 
     for (int pass = 0; pass < groups.passes; ++pass) {
@@ -136,7 +145,8 @@ __global__ void __launch_bounds__(kRowThreads) flash_bwd_preprocess_kernel(const
     }
 }
 
-// Grid: (ceil(seqlen_k / kBlockN), K/V heads, batch). Block: Bt::kNThreads. Shared memory: Bt::kSmemBytes.
+// Grid: (ceil(seqlen_k / kBlockN), K/V heads, batch); block-sparse: seqlen_k rounded up to the mask's
+// key blocks (key_tile). Block: Bt::kNThreads. Shared memory: Bt::kSmemBytes.
 // With GQA/MQA the block walks the query blocks of every query head of its K/V head's group in
 // turn, so dK_j, dV_j sum over the group on chip, in a fixed order, with no K/V copy.
 // kScoreMod: softcap, ALiBi and dropout, as in the forward (instantiated with kIsLocal only);
@@ -158,15 +168,16 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
     Accum* sLse2 = reinterpret_cast<Accum*>(smem) + Bt::kSmemLseOffset;
     Accum* sD = reinterpret_cast<Accum*>(smem) + Bt::kSmemDOffset;
 
-    const int n_block = blockIdx.x;
     const int kv_head = blockIdx.y;
     const int batch_idx = blockIdx.z;
+    const int n_block = key_tile<Bt::kBlockN, kIsBlockSparse>(launch_params, batch_idx, kv_head * launch_params.kv_group,
+                                                               blockIdx.x);
     const int ty = threadIdx.x / G::kColGroups;
     const int tx = threadIdx.x % G::kColGroups;
     const int col0 = n_block * Bt::kBlockN;
     int q_batch, k_batch;
     const BwdParams params = sequence_params<kVarlen>(launch_params, batch_idx, q_batch, k_batch);
-    if (kVarlen && col0 >= params.seqlen_k) return;  // past this sequence's end
+    if ((kVarlen || kIsBlockSparse) && col0 >= params.seqlen_k) return;  // past this sequence's end
     const int keys_valid = min(Bt::kBlockN, params.seqlen_k - col0);
     const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
 
@@ -390,20 +401,21 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
                    static_cast<Accum>(dropout_scaled<kScoreMod>(params, params.scale)), ty, tx);
 }
 
-// Grid: (ceil(seqlen_q / kRowsPerBlock), heads, batch); RowGroups' lanes per query row.
+// Grid: row_block_of; RowGroups' lanes per query row.
 // dq = the atomically summed workspace, rounded once to the input dtype.
 // Fixed- and variable-length batches alike, as the preprocess kernel.
-template <typename Element, int kRowsPerBlock>
+template <typename Element, int kRowsPerBlock, bool kHeadsFastest>
 __global__ void __launch_bounds__(kRowThreads) flash_bwd_convert_dq_kernel(const BwdParams launch_params) {
     using Numeric = NumericTraits<Element>;
     using Accum = typename Numeric::Accum;
     using Storage = typename Numeric::Storage;
     using Groups = RowGroups<Accum, kRowsPerBlock>;
     constexpr int kVec = Groups::kVec;
-    const int head_idx = blockIdx.y;
+    const int2 block = row_block_of<kHeadsFastest>(launch_params);
+    const int head_idx = block.x;
     int q_batch, k_batch;
     const BwdParams params = sequence_params<true>(launch_params, blockIdx.z, q_batch, k_batch);
-    const Groups groups(params.head_dim);
+    const Groups groups(params.head_dim, block.y);
     const int j0 = groups.lane_in_row, step = groups.lanes;
 
     for (int pass = 0; pass < groups.passes; ++pass) {

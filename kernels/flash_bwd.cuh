@@ -56,6 +56,7 @@ struct BwdParams {
     const int* kv_block_index;  // [mask slabs][mask_q_blocks][mask_k_blocks]
     const int* q_block_count;   // [mask slabs][mask_k_blocks]
     const int* q_block_index;   // [mask slabs][mask_k_blocks][mask_q_blocks]
+    const int* key_block_order; // [mask slabs][mask_k_blocks]: the key blocks, most query blocks first
     long long mask_batch_stride, mask_head_stride;
     int mask_q_blocks, mask_k_blocks;
     int mask_block_q, mask_block_k;
@@ -92,6 +93,23 @@ __device__ __forceinline__ TileSequence<kIsBlockSparse> query_tiles(const BwdPar
         const long long col = mask_slab(params, batch_idx, head_idx) * params.mask_k_blocks + key0 / params.mask_block_k;
         return sparse_tiles(params.q_block_index + col * params.mask_q_blocks, params.q_block_count[col],
                             params.mask_q_blocks, params.mask_block_q / kBlockM, lo, hi);
+    }
+}
+
+// The key tile of a dK/dV thread block at launch position `position` (of blockIdx.x). Block-sparse:
+// the mask's key blocks in key_block_order, most query blocks first, a block's tiles together.
+// Thread blocks start in launch order, as many at a time as the GPU holds, and at one a time per
+// SM a long block started late runs on alone at the launch's end; started longest first, the
+// short ones fill that tail (benchmarks/NOTES.md, session 30). The launch covers the last mask
+// block's tiles past seqlen_k too (the host rounds seqlen_k up to a block): those do nothing.
+template <int kBlockN, bool kIsBlockSparse>
+__device__ __forceinline__ int key_tile(const BwdParams& params, int batch_idx, int head_idx, int position) {
+    if constexpr (!kIsBlockSparse) {
+        return position;
+    } else {
+        const int per_block = params.mask_block_k / kBlockN;
+        const int* order = params.key_block_order + mask_slab(params, batch_idx, head_idx) * params.mask_k_blocks;
+        return order[position / per_block] * per_block + position % per_block;
     }
 }
 

@@ -186,7 +186,8 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& params, const Tens
     }
 }
 
-// Grid: (ceil(seqlen_k / kBlockN) · kOutSplit, K/V heads, batch). Block: Bt::kNThreads.
+// Grid: (ceil(seqlen_k / kBlockN) · kOutSplit, K/V heads, batch), block-sparse with seqlen_k rounded up
+// to the mask's key blocks (key_tile). Block: Bt::kNThreads.
 // Shared memory: Bt::kSmemBytes. With GQA/MQA the block walks the query blocks of each query head
 // of its K/V head's group in turn (as the scalar kernel): dK_j, dV_j sum over the group on chip.
 // kScoreMod: softcap, ALiBi and dropout, as in the forward (instantiated with kIsLocal only);
@@ -220,9 +221,15 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     if constexpr (kTma) sDq = tiles + Bt::kDqStageOffset;
     int dq_stage = 0;
 
-    const int n_block = blockIdx.x / Bt::kOutSplit;
-    const int col_out0 = blockIdx.x % Bt::kOutSplit * Bt::kHeadDimOut;  // this block's slice of dK_j, dV_j, dQ_i
     const int kv_head = blockIdx.y, batch_idx = blockIdx.z;
+    // The mma.sync builds take the key blocks in index order: they sit at 254-255 registers, and
+    // holding a loaded key tile (blockIdx's is formed again at no register's cost) spilled 8-20
+    // bytes in four of them (sm_90a; benchmarks/NOTES.md, session 30).
+    constexpr bool kKeyOrder = kIsBlockSparse && Bt::kWgmma;
+    const int n_block = key_tile<Bt::kBlockN, kKeyOrder>(launch_params, batch_idx, kv_head * launch_params.kv_group,
+                                                         blockIdx.x / Bt::kOutSplit);
+    const int key0 = n_block * Bt::kBlockN;
+    const int col_out0 = blockIdx.x % Bt::kOutSplit * Bt::kHeadDimOut;  // this block's slice of dK_j, dV_j, dQ_i
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const Fragment f(lane);
     // Warp (wk, wq): S^T rows warp_keys.., columns warp_queries.. (both local to the block);
@@ -230,10 +237,9 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     const int wk = warp / Bt::kWarpsQ, wq = warp % Bt::kWarpsQ;
     const int warp_keys = wk * Bt::kWarpKeys, warp_queries = wq * Bt::kWarpQueries;
     const int warp_cols = col_out0 + wq * Bt::kWarpCols;
-    const int key0 = n_block * Bt::kBlockN;
     int q_batch, k_batch;
     const BwdParams params = sequence_params<kVarlen>(launch_params, batch_idx, q_batch, k_batch);
-    if (kVarlen && key0 >= params.seqlen_k) return;  // past this sequence's end
+    if ((kVarlen || kIsBlockSparse) && key0 >= params.seqlen_k) return;  // past this sequence's end
     const int keys_valid = min(Bt::kBlockN, params.seqlen_k - key0);
 
     const Storage* k = static_cast<const Storage*>(params.k) + k_batch * params.k_batch_stride +
@@ -282,11 +288,11 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
         // and of those only the ones a block mask keeps.
         const auto query_blocks =
             query_tiles<Bt::kBlockM, kIsLocal, kIsBlockSparse>(params, batch_idx, head_idx, key0, keys_valid);
-        // The query blocks are visited in a rotated order that starts at this key block's index:
-        // the blocks in flight then add into different rows of dQ at a time (atomics on the same
-        // addresses serialise in L2).
+        // The query blocks are visited in a rotated order that starts at this block's launch
+        // position (dense: its key block's index): the blocks in flight then add into different
+        // rows of dQ at a time (atomics on the same addresses serialise in L2).
         const int m_blocks = query_blocks.end - query_blocks.begin;
-        int t = m_blocks > 0 ? query_blocks.begin + n_block % m_blocks : 0;
+        int t = m_blocks > 0 ? query_blocks.begin + static_cast<int>(blockIdx.x / Bt::kOutSplit) % m_blocks : 0;
         const auto after = [&](int t) { return t + 1 < query_blocks.end ? t + 1 : query_blocks.begin; };
         if (m_blocks > 0) {
             if constexpr (kTma) {

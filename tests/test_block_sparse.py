@@ -35,7 +35,13 @@ def test_compressed_form_lists_each_rows_and_columns_nonzero_blocks(rng, shape):
             nonzero = numpy.flatnonzero(full[b, h, :, c])
             assert mask.q_count[b, h, c] == nonzero.size
             numpy.testing.assert_array_equal(mask.q_index[b, h, c, : nonzero.size], nonzero)
-    for x in (mask.kv_count, mask.kv_index, mask.q_count, mask.q_index):
+        # The dK/dV pass's start order: every key block once, most query blocks first, ties in
+        # index order.
+        order = mask.key_order[b, h]
+        numpy.testing.assert_array_equal(numpy.sort(order), numpy.arange(full.shape[3]))
+        want = sorted(range(full.shape[3]), key=lambda c: (-int(full[b, h, :, c].sum()), c))
+        numpy.testing.assert_array_equal(order, want)
+    for x in (mask.kv_count, mask.kv_index, mask.q_count, mask.q_index, mask.key_order):
         assert x.dtype == numpy.int32 and x.flags.c_contiguous and not x.flags.writeable
     numpy.testing.assert_array_equal(mask.to_dense(), dense)
     assert mask.shape == dense.shape

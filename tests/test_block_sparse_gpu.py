@@ -63,6 +63,38 @@ def test_no_keys_or_no_queries(rng, nan_outputs, dtype, seqlen_q, seqlen_k, caus
     run_block_sparse(rng, dtype, (2, seqlen_q, seqlen_k, 2, 64), mask, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_key_blocks_start_longest_first(rng, nan_outputs, dtype, causal):
+    """The dK/dV pass starts the mask's key blocks in its key_order (most query blocks first). Here
+    the last key block has the most, and with blocks of 256 keys and seqlen_k 600 it holds one key
+    tile of 128 where the others hold two: it starts first, and its second tile's launch position
+    (past seqlen_k) must do nothing. Every dK/dV kernel family the dtype has on this GPU (the
+    mma.sync one keeps index order, but its launch is rounded up the same way)."""
+    import cupy
+
+    seqlen_q, seqlen_k, heads = 517, 600, 3
+    dense = rng.random((heads, 5, 3)) < 0.4
+    dense[:, :, 2] = True
+    dense[:, 0, :2] = False
+    mask = BlockMask(dense, (128, 256))
+    assert (mask.key_order[0, :, 0] == 2).all()
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, seqlen_q, seqlen_k, heads, 64))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, lse = cupyflash.block_sparse_attention(q, k, v, mask, causal=causal, return_lse=True)
+    p = _validation.check_backward_args(dout, q, k, v, out, lse, causal=causal, scale=None, deterministic=False)
+    p = _validation.check_block_mask(mask, p)
+    families = [{"tensor_cores": False}]
+    if _attention.tensor_cores_for(p, q.device.id):
+        families.append({"tensor_cores": True, "wgmma": False})
+        if _attention._uses_wgmma(p, q.device.id):
+            families.append({"tensor_cores": True, "wgmma": True})
+    for family in families:
+        grads = [cupy.full(x.shape, numpy.nan, numpy.float32).astype(x.dtype) for x in (q, k, v)]
+        _attention.launch_backward(dout, q, k, v, out, lse, *grads, p, **family)
+        assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask)
+
+
 @pytest.mark.parametrize("head_dim", [16, 40, 64, 96, 128, 200, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_every_head_dim_class(rng, nan_outputs, dtype, head_dim):
