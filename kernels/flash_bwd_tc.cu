@@ -223,8 +223,9 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
 
     const int kv_head = blockIdx.y, batch_idx = blockIdx.z;
     // The mma.sync builds take the key blocks in index order: they sit at 254-255 registers, and
-    // holding a loaded key tile (blockIdx's is formed again at no register's cost) spilled 8-20
-    // bytes in four of them (sm_90a; benchmarks/NOTES.md, session 30).
+    // holding a loaded key tile (blockIdx's is formed again at no register's cost) spilled 8 bytes
+    // in two of them, or 12-20 in another with the tile kept in shared memory (sm_90a;
+    // benchmarks/NOTES.md, session 30).
     constexpr bool kKeyOrder = kIsBlockSparse && Bt::kWgmma;
     const int n_block = key_tile<Bt::kBlockN, kKeyOrder>(launch_params, batch_idx, kv_head * launch_params.kv_group,
                                                          blockIdx.x / Bt::kOutSplit);
