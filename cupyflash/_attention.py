@@ -857,6 +857,6 @@ def launch_backward(
         _launch(kernel, device_id, grid, params, *more)
 
     dkdv_kernel, dq_kernel = kernels or backward_kernels(p, device_id, tensor_cores, wgmma)
-    launch(_instantiations.BwdRowKernel("preprocess", p.dtype_name))
+    launch(_instantiations.bwd_row_kernel("preprocess", p.dtype_name, p.seqlen_q))
     launch(dkdv_kernel)
-    launch(dq_kernel if p.deterministic else _instantiations.BwdRowKernel("convert_dq", p.dtype_name))
+    launch(dq_kernel if p.deterministic else _instantiations.bwd_row_kernel("convert_dq", p.dtype_name, p.seqlen_q))

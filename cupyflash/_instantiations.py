@@ -372,6 +372,7 @@ class BwdRowKernel:
     # rows of O, dO and the workspace): on an H200 (benchmarks/row_kernels.py; NOTES session 30)
     # heads fastest took 4.5 us off the preprocess and 2.5 off the conversion at d64 s16384 in each
     # of three runs (about 5% and 4%), and was within noise elsewhere; 64 or 128 rows were no faster.
+    # Heads fastest puts the row blocks on the grid's y axis: `bwd_row_kernel` takes it where they fit.
     rows_per_block: int = 32
     heads_fastest: bool = True
 
@@ -387,7 +388,7 @@ class BwdRowKernel:
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
         if self.heads_fastest:
-            return (math.ceil(seqlen_q / self.rows_per_block) * heads, 1, batch)
+            return (heads, math.ceil(seqlen_q / self.rows_per_block), batch)
         return (math.ceil(seqlen_q / self.rows_per_block), heads, batch)
 
     def host_checks(self) -> str:
@@ -397,6 +398,16 @@ class BwdRowKernel:
 
 
 BWD_ROW_STEPS = ("preprocess", "convert_dq")
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (and z)
+
+
+def bwd_row_kernel(step: str, dtype_name: str, seqlen_q: int) -> BwdRowKernel:
+    """The row kernel for `step`: heads fastest unless seqlen_q's blocks of rows overflow gridDim.y
+    (more than about two million queries a sequence)."""
+    kernel = BwdRowKernel(step, dtype_name)
+    if math.ceil(seqlen_q / kernel.rows_per_block) > MAX_GRID_Y:
+        return dataclasses.replace(kernel, heads_fastest=False)
+    return kernel
 
 
 @functools.cache  # as fwd_kernel
@@ -454,7 +465,8 @@ def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
 
 
 def all_bwd_kernels() -> list:
-    kernels = [BwdRowKernel(step, dtype_name) for dtype_name in DTYPE_NAMES for step in BWD_ROW_STEPS]
+    kernels = [BwdRowKernel(step, dtype_name, heads_fastest=fastest)
+               for dtype_name in DTYPE_NAMES for step in BWD_ROW_STEPS for fastest in (True, False)]
     for dtype_name in DTYPE_NAMES:
         for d in PADDED_HEAD_DIMS:
             for local, sparse, mod, var in _variants():

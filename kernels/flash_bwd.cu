@@ -76,10 +76,11 @@ __device__ __forceinline__ void clear_row(A* row, int head_dim, int lane_in_row,
 }
 
 // The row kernels' (head, block of kRowsPerBlock rows): grid (ceil(seqlen_q / kRowsPerBlock), heads,
-// batch), or with kHeadsFastest (ceil(seqlen_q / kRowsPerBlock) x heads, 1, batch), heads fastest.
+// batch), or with kHeadsFastest (heads, ceil(seqlen_q / kRowsPerBlock), batch), the heads of a block
+// of rows started together (the host takes it where the rows' blocks fit in gridDim.y).
 template <bool kHeadsFastest>
-__device__ __forceinline__ int2 row_block_of(const BwdParams& params) {
-    if constexpr (kHeadsFastest) return make_int2(blockIdx.x % params.heads, blockIdx.x / params.heads);
+__device__ __forceinline__ int2 row_block_of() {
+    if constexpr (kHeadsFastest) return make_int2(blockIdx.x, blockIdx.y);
     return make_int2(blockIdx.y, blockIdx.x);
 }
 
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(kRowThreads) flash_bwd_preprocess_kernel(const
     using Accum = typename Numeric::Accum;
     using Storage = typename Numeric::Storage;
     using Groups = RowGroups<Storage, kRowsPerBlock>;
-    const int2 block = row_block_of<kHeadsFastest>(launch_params);
+    const int2 block = row_block_of<kHeadsFastest>();
     const int head_idx = block.x;
     int q_batch, k_batch;
     const BwdParams params = sequence_params<true>(launch_params, blockIdx.z, q_batch, k_batch);
@@ -411,7 +412,7 @@ __global__ void __launch_bounds__(kRowThreads) flash_bwd_convert_dq_kernel(const
     using Storage = typename Numeric::Storage;
     using Groups = RowGroups<Accum, kRowsPerBlock>;
     constexpr int kVec = Groups::kVec;
-    const int2 block = row_block_of<kHeadsFastest>(launch_params);
+    const int2 block = row_block_of<kHeadsFastest>();
     const int head_idx = block.x;
     int q_batch, k_batch;
     const BwdParams params = sequence_params<true>(launch_params, blockIdx.z, q_batch, k_batch);

@@ -70,7 +70,11 @@ def test_instantiation_list_covers_every_dtype_head_dim_and_causal_setting():
                             assert isinstance(pair[0], _instantiations.WgmmaBwdDkdvKernel)
                             assert all(k in everything for k in pair)
         for step in _instantiations.BWD_ROW_STEPS:
-            assert _instantiations.BwdRowKernel(step, dtype_name) in everything
+            most = _instantiations.BwdRowKernel(step, dtype_name).rows_per_block * _instantiations.MAX_GRID_Y
+            for seqlen_q in (1, 4096, most, most + 1):  # the last: too many row blocks for gridDim.y
+                kernel = _instantiations.bwd_row_kernel(step, dtype_name, seqlen_q)
+                assert kernel in everything and kernel.heads_fastest == (seqlen_q <= most)
+                assert max(kernel.grid(2, 16, seqlen_q)[1:]) <= _instantiations.MAX_GRID_Y
     for d in range(1, 257):
         padded = _instantiations.padded_head_dim(d)
         assert d <= padded and padded in _instantiations.PADDED_HEAD_DIMS
@@ -198,9 +202,9 @@ def test_check_kernels_command(tmp_path):
     cmd = [sys.executable, "-m", "cupyflash", "check-kernels", "--arch", "sm_80", "--dtype", "float64"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
     assert done.returncode == 0, done.stdout + done.stderr
-    # 63 forward, 126 + 2 backward (dense, block-sparse, score modifiers, varlen), 9 + 9 + 1 decoding (plain,
-    # softcap/ALiBi, append)
-    assert "210 of 210 kernel builds compiled; 0 spill; 0 wgmma serialized" in done.stdout
+    # 63 forward, 126 + 4 backward (dense, block-sparse, score modifiers, varlen; the row kernels in both
+    # launch shapes), 9 + 9 + 1 decoding (plain, softcap/ALiBi, append)
+    assert "212 of 212 kernel builds compiled; 0 spill; 0 wgmma serialized" in done.stdout
     assert "cupyflash::FwdTraits<double, 256" in done.stdout
     assert "cupyflash::BwdDkdvTraits<double, 256" in done.stdout
 
