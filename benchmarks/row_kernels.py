@@ -5,10 +5,10 @@ each of their launch shapes, a development tool.
 
 Records the launches of one dense attention_backward call (bfloat16; batch x seqlen = 16384 tokens,
 hidden 2048, as the sparse grid), then replays the two row kernels alone with kRowsPerBlock 32,
-64 and 128, the blocks taking rows within a head (the default) or heads within a row block
-(kHeadsFastest): median time (cupyx.profiler.benchmark), the bandwidth over the bytes each must
-move, and whether each shape's results equal the traits table's (D, lse_log2, the cleared
-workspace; dq) bit for bit.
+64 and 128, the blocks taking rows within a head or heads within a row block (kHeadsFastest, the
+traits table's choice with 32 rows): median time (cupyx.profiler.benchmark), the bandwidth over
+the bytes each must move, and whether each shape's results equal the first shape's (32 rows,
+heads slow: D, lse_log2, the cleared workspace; dq) bit for bit.
 """
 
 import argparse
