@@ -728,18 +728,27 @@ TMA_BACKWARD_BY_DEFAULT = TMA_FORWARD_BY_DEFAULT
 # softmax and wgmma the SM can interleave (383-394 TFLOP/s; two warpgroups of 64 rows in one
 # block, 303-305). d128: two warpgroups, 128 keys per step (430-434; one warpgroup at two blocks
 # per SM, 379-394).
+# The d128 TMA builds (dense or block-sparse, not local; keyed True below) take one warpgroup at
+# two blocks per SM: since K_j, V_j come by the TMA (session 24) it is the faster tile there, one
+# block's first copies and O_i store passing behind the other's steps (benchmarks/
+# tune_sparse_density.py, session 31, H100: dense 4-7% faster at s4096 and s16384, block-sparse
+# 4-8% at densities 1 to 0.05). Their cp.async twins keep two warpgroups: with one they spill
+# 24-32 bytes at 255 registers. Causal (two warpgroups, cp.async) it measured the same, 0.99x.
 WGMMA_FWD_TILES = {
-    64: TcTileShape(64, 128, num_warps=4, min_blocks_per_sm=3),
-    128: TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1),
+    (64, False): TcTileShape(64, 128, num_warps=4, min_blocks_per_sm=3),
+    (64, True): TcTileShape(64, 128, num_warps=4, min_blocks_per_sm=3),
+    (128, False): TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1),
+    (128, True): TcTileShape(64, 128, num_warps=4, min_blocks_per_sm=2),
 }
 
 
-def wgmma_fwd_tile_shape(padded_head_dim: int) -> TcTileShape:
+def wgmma_fwd_tile_shape(padded_head_dim: int, tma: bool = False) -> TcTileShape:
     """Warpgroups of 64 query rows, 128 keys per step (one m64n128 wgmma per k-step of S); the
-    block-sparse kernels take the same tiles. (At d64, three blocks per SM, the non-local
-    block-sparse kernel spilled 8 bytes while it read each key block's column from the mask twice,
-    for the prefetch and again for the step; it now carries it from one step to the next.)"""
-    return WGMMA_FWD_TILES[padded_head_dim]
+    block-sparse kernels take the same tiles. tma: the TMA builds' tile (WGMMA_FWD_TILES).
+    (At d64, three blocks per SM, the non-local block-sparse kernel spilled 8 bytes while it read
+    each key block's column from the mask twice, for the prefetch and again for the step; it now
+    carries it from one step to the next.)"""
+    return WGMMA_FWD_TILES[padded_head_dim, tma]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -763,7 +772,7 @@ class WgmmaFwdKernel(_TcKernel):
 
     @functools.cached_property
     def tile(self) -> TcTileShape:
-        return self.tile_override or wgmma_fwd_tile_shape(self.head_dim)
+        return self.tile_override or wgmma_fwd_tile_shape(self.head_dim, self.tma)
 
     @functools.cached_property
     def smem_bytes(self) -> int:
