@@ -49,7 +49,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dense", action="store_true",
                     help="the dense kernel's candidates instead (no mask; causal too with --causal)")
-    ap.add_argument("--causal", action="store_true", help="with --dense: the causal (local) builds, not TMA")
+    ap.add_argument("--causal", action="store_true", help="with --dense: the causal (local) builds")
+    ap.add_argument("--copies", choices=["tma", "cp.async", "both"], default="tma",
+                    help="with --dense: the TMA builds, their cp.async twins, or both for each tile")
     ap.add_argument("--pause", type=float, default=0.0,
                     help="seconds idle before each measurement (clocks recover from the last one's load)")
     ap.add_argument("--backward", action="store_true",
@@ -117,8 +119,9 @@ def main(argv=None):
                 p = _validation.check_attention_args(q, k, v, causal=args.causal, scale=None, return_lse=True)
                 tiles = ([tuple(map(int, t.split(","))) for t in args.tiles.split(";")] if args.tiles
                          else CANDIDATES[d])
-                kernels = [inst.WgmmaFwdKernel("bfloat16", d, args.causal, tma=not args.causal,
-                                               tile_override=inst.TcTileShape(*tile)) for tile in tiles]
+                copies = {"tma": [True], "cp.async": [False], "both": [False, True]}[args.copies]
+                kernels = [inst.WgmmaFwdKernel("bfloat16", d, args.causal, tma=tma, tile_override=inst.TcTileShape(*tile))
+                           for tile in tiles for tma in copies]
                 times = {}
                 for _ in range(args.rounds):
                     for kernel in kernels:
@@ -129,7 +132,8 @@ def main(argv=None):
                     t = kernel.tile
                     tile = f"({t.block_m}, {t.block_n}, {t.num_warps}, {t.min_blocks_per_sm})"
                     regs = _compile.get_function(kernel, q.device.id).num_regs
-                    print(f"{d:>4} {seqlen:>6} {'causal' if args.causal else 'dense':>7} {'':>7} {tile:>27} {regs:>4} | "
+                    print(f"{d:>4} {seqlen:>6} {'causal' if args.causal else 'dense':>7} "
+                          f"{'TMA' if kernel.tma else 'cp.async':>8} {tile:>27} {regs:>4} | "
                           f"{' / '.join(f'{us:.1f}' for us in times[kernel]):>8} "
                           f"{numpy.median(times[kernel]) / base:20.3f}")
                 continue

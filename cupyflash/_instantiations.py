@@ -163,8 +163,8 @@ def fwd_kernel(
     WgmmaFwdKernel with wgmma too (Hopper; head dims padded to WGMMA_HEAD_DIMS), else FwdKernel; its
     local instantiation for causal or windowed attention, its block-sparse one with block_sparse,
     its score-modifier one (softcap, ALiBi; local) with score_mod, its variable-length one (local,
-    score modifiers, dense) with varlen. tma (with wgmma): the TMA build where one exists (dense or
-    block-sparse at TMA_FORWARD_HEAD_DIMS); the launch falls back to the cp.async build for arrays
+    score modifiers, dense) with varlen. tma (with wgmma): the TMA build where one exists (no score
+    modifiers, not varlen, at TMA_FORWARD_HEAD_DIMS); the launch falls back to the cp.async build for arrays
     a tensor map cannot describe."""
     _check_tensor_core_dtype(dtype_name, tensor_cores or wgmma)
     if wgmma and padded_head_dim(head_dim) not in WGMMA_HEAD_DIMS:
@@ -172,7 +172,7 @@ def fwd_kernel(
     kind = WgmmaFwdKernel if wgmma else TcFwdKernel if tensor_cores else FwdKernel
     local, sparse, mod, var = _variant_flags(local, block_sparse, score_mod, varlen)
     padded = padded_head_dim(head_dim)
-    if wgmma and tma and not (local or mod or var) and padded in TMA_FORWARD_HEAD_DIMS:
+    if wgmma and tma and not (mod or var) and padded in TMA_FORWARD_HEAD_DIMS:
         return WgmmaFwdKernel(dtype_name, padded, local, block_sparse=sparse, tma=True)
     return kind(dtype_name, padded, local, block_sparse=sparse, score_mod=mod, varlen=var)
 
@@ -714,8 +714,10 @@ WGMMA_COMPUTE_CAPABILITY = 90
 # kernel serves, as on other GPUs); tests and benchmarks can pick either explicitly (`wgmma=`).
 WGMMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_FORWARD", "1") != "0"
 # The Hopper forward's TMA builds (kTma: K_j, V_j copied by the tensor memory accelerator, one
-# thread asking per tile): dense and block-sparse, not local, at these padded head dims; taken
-# where the arrays' layout allows a tensor map (cupyflash/_tma.py), unless CUPYFLASH_HOPPER_TMA=0.
+# thread asking per tile): dense, block-sparse and local (causal, windows), without score modifiers
+# or packed sequences, at these padded head dims; taken where the arrays' layout allows a tensor
+# map (cupyflash/_tma.py), unless CUPYFLASH_HOPPER_TMA=0. (Local since session 31: causal
+# 1.12-1.15x faster than the cp.async build at both head dims, H200.)
 TMA_FORWARD_HEAD_DIMS = (64, 128)
 TMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_TMA", "1") != "0"
 # The Hopper dK/dV kernel's TMA builds (kTma: Q_i and dO_i copied, and dQ_i's shares added to the
@@ -728,34 +730,38 @@ TMA_BACKWARD_BY_DEFAULT = TMA_FORWARD_BY_DEFAULT
 # softmax and wgmma the SM can interleave (383-394 TFLOP/s; two warpgroups of 64 rows in one
 # block, 303-305). d128: two warpgroups, 128 keys per step (430-434; one warpgroup at two blocks
 # per SM, 379-394).
-# The d128 TMA builds (dense or block-sparse, not local; keyed True below) take one warpgroup at
-# two blocks per SM: since K_j, V_j come by the TMA (session 24) it is the faster tile there, one
-# block's first copies and O_i store passing behind the other's steps (benchmarks/
-# tune_sparse_density.py, session 31, H100: dense 4-7% faster at s4096 and s16384, block-sparse
-# 4-8% at densities 1 to 0.05). Their cp.async twins keep two warpgroups: with one they spill
-# 24-32 bytes at 255 registers. Causal (two warpgroups, cp.async) it measured the same, 0.99x.
 WGMMA_FWD_TILES = {
-    (64, False): TcTileShape(64, 128, num_warps=4, min_blocks_per_sm=3),
-    (64, True): TcTileShape(64, 128, num_warps=4, min_blocks_per_sm=3),
-    (128, False): TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1),
-    (128, True): TcTileShape(64, 128, num_warps=4, min_blocks_per_sm=2),
+    64: TcTileShape(64, 128, num_warps=4, min_blocks_per_sm=3),
+    128: TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1),
+}
+# The unmasked d128 TMA builds (dense or block-sparse, not local) take one warpgroup at two blocks
+# per SM: since K_j, V_j come by the TMA (session 24) it is the faster tile there, one block's
+# first copies and O_i store passing behind the other's steps (benchmarks/tune_sparse_density.py,
+# session 31, H100: dense 4-7% faster at s4096 and s16384, block-sparse 4-8% at densities 1 to
+# 0.05). Their cp.async twins keep two warpgroups (with one they spill 24-32 bytes at 255
+# registers), and so do the local TMA builds: causal, one warpgroup took 1.02-1.04x the time of
+# two (H200).
+WGMMA_FWD_UNMASKED_TMA_TILES = {
+    128: TcTileShape(64, 128, num_warps=4, min_blocks_per_sm=2),
 }
 
 
-def wgmma_fwd_tile_shape(padded_head_dim: int, tma: bool = False) -> TcTileShape:
+def wgmma_fwd_tile_shape(padded_head_dim: int, tma: bool = False, local: bool = False) -> TcTileShape:
     """Warpgroups of 64 query rows, 128 keys per step (one m64n128 wgmma per k-step of S); the
-    block-sparse kernels take the same tiles. tma: the TMA builds' tile (WGMMA_FWD_TILES).
-    (At d64, three blocks per SM, the non-local block-sparse kernel spilled 8 bytes while it read
-    each key block's column from the mask twice, for the prefetch and again for the step; it now
-    carries it from one step to the next.)"""
-    return WGMMA_FWD_TILES[padded_head_dim, tma]
+    block-sparse kernels take the same tiles. tma and not local: the unmasked TMA builds' tile
+    (WGMMA_FWD_UNMASKED_TMA_TILES). (At d64, three blocks per SM, the non-local block-sparse
+    kernel spilled 8 bytes while it read each key block's column from the mask twice, for the
+    prefetch and again for the step; it now carries it from one step to the next.)"""
+    if tma and not local and padded_head_dim in WGMMA_FWD_UNMASKED_TMA_TILES:
+        return WGMMA_FWD_UNMASKED_TMA_TILES[padded_head_dim]
+    return WGMMA_FWD_TILES[padded_head_dim]
 
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaFwdKernel(_TcKernel):
     """kernels/flash_fwd_tc.cu's flash_fwd_tc_kernel with the Hopper traits (wgmma products; sm_90a):
-    one block per query block. tma: the kTma build (TMA_FORWARD_HEAD_DIMS; dense or block-sparse,
-    not local), which takes K's and V's tensor maps."""
+    one block per query block. tma: the kTma build (TMA_FORWARD_HEAD_DIMS; no score modifiers, not
+    varlen), which takes K's and V's tensor maps."""
 
     tma: bool = False
 
@@ -766,13 +772,13 @@ class WgmmaFwdKernel(_TcKernel):
     compile_options = (f"--gpu-architecture={WGMMA_ARCH}",)
 
     def __post_init__(self):
-        if self.tma and (self.local or self.score_mod or self.varlen or self.head_dim not in TMA_FORWARD_HEAD_DIMS):
-            raise ValueError(f"the Hopper forward's TMA builds are dense or block-sparse, not local, at head dims "
+        if self.tma and (self.score_mod or self.varlen or self.head_dim not in TMA_FORWARD_HEAD_DIMS):
+            raise ValueError(f"the Hopper forward's TMA builds have no score modifiers and no packed sequences, at head dims "
                              f"{TMA_FORWARD_HEAD_DIMS}; not {self}")
 
     @functools.cached_property
     def tile(self) -> TcTileShape:
-        return self.tile_override or wgmma_fwd_tile_shape(self.head_dim, self.tma)
+        return self.tile_override or wgmma_fwd_tile_shape(self.head_dim, self.tma, self.local)
 
     @functools.cached_property
     def smem_bytes(self) -> int:
@@ -855,9 +861,10 @@ def all_wgmma_kernels() -> list:
         for d in WGMMA_HEAD_DIMS
         for local, sparse, mod, var in _variants()
     ] + [
-        WgmmaFwdKernel(dtype_name, d, False, block_sparse=sparse, tma=True)
+        WgmmaFwdKernel(dtype_name, d, local, block_sparse=sparse, tma=True)
         for dtype_name in TENSOR_CORE_DTYPES
         for d in TMA_FORWARD_HEAD_DIMS
+        for local in (False, True)
         for sparse in (False, True)
     ] + [
         WgmmaBwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, tma=True)

@@ -268,11 +268,13 @@ def test_kernel_tables_are_memoised_with_the_fresh_figures(pick):
 
 @pytest.mark.parametrize("head_dim,causal,sparse,tma", [
     (64, False, False, True), (40, False, True, True), (112, False, False, True), (128, False, True, True),
-    (64, True, False, False), (128, True, True, False), (160, False, False, False),
+    (64, True, False, True), (128, True, True, True), (100, True, False, True), (160, False, False, False),
+    (160, True, False, False),
 ])
 def test_the_hopper_forward_takes_its_tma_builds_where_they_exist(monkeypatch, head_dim, causal, sparse, tma):
-    """Dense and block-sparse, not local, at TMA_FORWARD_HEAD_DIMS; tma=False and
-    CUPYFLASH_HOPPER_TMA=0 (TMA_FORWARD_BY_DEFAULT) take the cp.async build, its twin."""
+    """Dense, block-sparse and local (causal) at TMA_FORWARD_HEAD_DIMS; tma=False and
+    CUPYFLASH_HOPPER_TMA=0 (TMA_FORWARD_BY_DEFAULT) take the cp.async build, its twin, which has the
+    TMA build's tile except in the unmasked d128 builds."""
     from cupyflash import _attention, _validation
 
     monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: 90)
@@ -290,17 +292,21 @@ def test_the_hopper_forward_takes_its_tma_builds_where_they_exist(monkeypatch, h
         twin = _instantiations.without_tma(kernel)
         assert twin in everything and not twin.tma and twin.block_sparse == sparse
         assert twin == _attention.forward_kernel(p, 0, tma=False)
-        assert kernel.name_expression.endswith(f"{str(sparse).lower()}, false, false, true>")
+        assert kernel.name_expression.endswith(f"{str(causal).lower()}, {str(sparse).lower()}, false, false, true>")
+        assert (twin.tile == kernel.tile) == (causal or kernel.head_dim != 128)
         monkeypatch.setattr(_instantiations, "TMA_FORWARD_BY_DEFAULT", False)
         assert _attention.forward_kernel(p, 0) == twin
 
 
-def test_tma_builds_are_never_local():
-    for flags in ({"local": True}, {"local": True, "score_mod": True}):
+def test_tma_builds_take_no_score_modifiers_and_no_packed_sequences():
+    for flags in ({"local": True, "score_mod": True}, {"local": True, "varlen": True}):
         with pytest.raises(ValueError, match="TMA builds"):
             _instantiations.WgmmaFwdKernel("bfloat16", 64, block_sparse=False, tma=True, **flags)
     with pytest.raises(ValueError, match="TMA builds"):
         _instantiations.WgmmaFwdKernel("bfloat16", 256, False, tma=True)
+    # Softcap or a window's score modifiers take the cp.async build even where TMA is on.
+    assert not _instantiations.fwd_kernel("bfloat16", 64, True, True, score_mod=True, wgmma=True, tma=True).tma
+    assert not _instantiations.fwd_kernel("bfloat16", 64, True, True, varlen=True, wgmma=True, tma=True).tma
 
 
 @pytest.mark.parametrize("pointer,strides,dims,ok", [

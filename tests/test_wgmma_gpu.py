@@ -213,8 +213,8 @@ def test_varlen(rng, nan_outputs, hopper, dtype):
     assert took_hopper(hopper)
 
 
-# The TMA builds (kTma: K_j, V_j copied by the tensor memory accelerator; dense and block-sparse,
-# not local). Seqlen_k ending inside a key block and one key (rows past the keys zero-filled by the
+# The TMA builds (kTma: K_j, V_j copied by the tensor memory accelerator; dense, block-sparse and
+# local, without score modifiers or packed sequences). Seqlen_k ending inside a key block and one key (rows past the keys zero-filled by the
 # copy engine), head dims 40 and 112 (columns past the head dim likewise), GQA, batch > 1 with
 # heads interleaved in a wider array (strides that are not the contiguous ones).
 TMA_SHAPES = [(2, 70, 1, 4, 2, 64), (2, 203, 331, 4, 2, 40), (1, 300, 1029, 2, 1, 64), (3, 129, 257, 2, 2, 112),
@@ -232,19 +232,25 @@ def _tma_inputs(rng, dtype, shape):
     return q, k, v
 
 
-@pytest.mark.parametrize("block_sparse", [False, True])
+# (causal, window, block-sparse): dense; block-sparse; causal (local); a window, with a block mask.
+TMA_VARIANTS = {"dense": (False, None, False), "block-sparse": (False, None, True), "causal": (True, None, False),
+                "window-block-sparse": (False, (90, 17), True)}
+
+
+@pytest.mark.parametrize("variant", list(TMA_VARIANTS))
 @pytest.mark.parametrize("shape", TMA_SHAPES)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_tma_build_equals_the_cp_async_build(rng, monkeypatch, nan_outputs, hopper, dtype, shape, block_sparse):
+def test_tma_build_equals_the_cp_async_build(rng, monkeypatch, nan_outputs, hopper, dtype, shape, variant):
     """Both builds bring the same tiles to shared memory (zeros past the keys and the head dim) and
     compute the same arithmetic on them: at the same tile, outputs equal bit for bit. The cp.async
-    build the API takes with the TMA off (at d128 another tile than the TMA build's,
-    WGMMA_FWD_TILES) is within the reference's tolerance."""
+    build the API takes with the TMA off (at d128 unmasked another tile than the TMA build's,
+    WGMMA_FWD_UNMASKED_TMA_TILES) is within the reference's tolerance."""
     import cupy
 
     from cupyflash import _validation
     from shapes import bits
 
+    causal, window, block_sparse = TMA_VARIANTS[variant]
     q, k, v = _tma_inputs(rng, dtype, shape)
     assert not k.flags.c_contiguous
     mask = None
@@ -253,20 +259,20 @@ def test_tma_build_equals_the_cp_async_build(rng, monkeypatch, nan_outputs, hopp
 
     def forward():
         if mask is None:
-            return cupyflash.attention(q, k, v, return_lse=True)
-        return cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+            return cupyflash.attention(q, k, v, causal=causal, window=window, return_lse=True)
+        return cupyflash.block_sparse_attention(q, k, v, mask, causal=causal, window=window, return_lse=True)
 
     out, lse = forward()
-    assert hopper[-1].tma and hopper[-1].block_sparse == block_sparse
-    assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
+    tma = hopper[-1]
+    assert tma.tma and tma.block_sparse == block_sparse and tma.local == (causal or window is not None)
+    assert_matches_reference(q, k, v, out, lse, dtype, causal, block_mask=mask, window=window)
     monkeypatch.setattr(inst, "TMA_FORWARD_BY_DEFAULT", False)
     out_cp, lse_cp = forward()
-    tma = hopper[-2]
     assert not hopper[-1].tma and inst.without_tma(tma) == hopper[-1]
-    assert_matches_reference(q, k, v, out_cp, lse_cp, dtype, False, block_mask=mask)
+    assert_matches_reference(q, k, v, out_cp, lse_cp, dtype, causal, block_mask=mask, window=window)
 
     twin = dataclasses.replace(inst.without_tma(tma), tile_override=tma.tile)
-    p = _validation.check_attention_args(q, k, v, causal=False, scale=None, return_lse=True)
+    p = _validation.check_attention_args(q, k, v, causal=causal, scale=None, return_lse=True, window=window)
     if mask is not None:
         p = _validation.check_block_mask(mask, p)
     out_twin, lse_twin = cupy.full_like(out, numpy.nan), cupy.full_like(lse, numpy.nan)
