@@ -10,6 +10,11 @@ more blocks on an SM may hide it even if its steps are slower. For the grid's sh
 seqlen = 16384 tokens, hidden 2048, bf16, bench_sparse.make_mask) this replays the launches of one
 call per candidate tile (the TMA builds) back to back, rounds alternating, and prints microseconds
 and time over density x the dense kernel's (the traits table's tile).
+
+    --dense [--causal] [--copies tma|cp.async|both] [--tiles "m,n,warps,per_sm;..."] [--pause S]
+        the dense (or causal) forward's tiles, each against the first, TMA builds or their twins;
+    --backward
+        the whole backward (preprocess, dK/dV, conversion) with BWD_CANDIDATES' dK/dV tiles.
 """
 
 import argparse
@@ -120,7 +125,8 @@ def main(argv=None):
                 tiles = ([tuple(map(int, t.split(","))) for t in args.tiles.split(";")] if args.tiles
                          else CANDIDATES[d])
                 copies = {"tma": [True], "cp.async": [False], "both": [False, True]}[args.copies]
-                kernels = [inst.WgmmaFwdKernel("bfloat16", d, args.causal, tma=tma, tile_override=inst.TcTileShape(*tile))
+                kernels = [inst.WgmmaFwdKernel("bfloat16", d, args.causal, tma=tma,
+                                               tile_override=inst.TcTileShape(*tile))
                            for tile in tiles for tma in copies]
                 times = {}
                 for _ in range(args.rounds):

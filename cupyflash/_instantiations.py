@@ -164,8 +164,8 @@ def fwd_kernel(
     local instantiation for causal or windowed attention, its block-sparse one with block_sparse,
     its score-modifier one (softcap, ALiBi; local) with score_mod, its variable-length one (local,
     score modifiers, dense) with varlen. tma (with wgmma): the TMA build where one exists (no score
-    modifiers, not varlen, at TMA_FORWARD_HEAD_DIMS); the launch falls back to the cp.async build for arrays
-    a tensor map cannot describe."""
+    modifiers, not varlen, at TMA_FORWARD_HEAD_DIMS); the launch falls back to the cp.async build
+    for arrays a tensor map cannot describe."""
     _check_tensor_core_dtype(dtype_name, tensor_cores or wgmma)
     if wgmma and padded_head_dim(head_dim) not in WGMMA_HEAD_DIMS:
         raise ValueError(f"the Hopper forward kernel takes head dims padded to {WGMMA_HEAD_DIMS}, not {head_dim}")
@@ -717,7 +717,7 @@ WGMMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_FORWARD", "1") != "0
 # thread asking per tile): dense, block-sparse and local (causal, windows), without score modifiers
 # or packed sequences, at these padded head dims; taken where the arrays' layout allows a tensor
 # map (cupyflash/_tma.py), unless CUPYFLASH_HOPPER_TMA=0. (Local since session 31: causal
-# 1.12-1.15x faster than the cp.async build at both head dims, H200.)
+# 1.13-1.15x faster than the cp.async build at both head dims, H200.)
 TMA_FORWARD_HEAD_DIMS = (64, 128)
 TMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_TMA", "1") != "0"
 # The Hopper dK/dV kernel's TMA builds (kTma: Q_i and dO_i copied, and dQ_i's shares added to the
@@ -773,8 +773,8 @@ class WgmmaFwdKernel(_TcKernel):
 
     def __post_init__(self):
         if self.tma and (self.score_mod or self.varlen or self.head_dim not in TMA_FORWARD_HEAD_DIMS):
-            raise ValueError(f"the Hopper forward's TMA builds have no score modifiers and no packed sequences, at head dims "
-                             f"{TMA_FORWARD_HEAD_DIMS}; not {self}")
+            raise ValueError(f"the Hopper forward's TMA builds have no score modifiers and no packed sequences, "
+                             f"at head dims {TMA_FORWARD_HEAD_DIMS}; not {self}")
 
     @functools.cached_property
     def tile(self) -> TcTileShape:

@@ -304,7 +304,7 @@ def test_tma_builds_take_no_score_modifiers_and_no_packed_sequences():
             _instantiations.WgmmaFwdKernel("bfloat16", 64, block_sparse=False, tma=True, **flags)
     with pytest.raises(ValueError, match="TMA builds"):
         _instantiations.WgmmaFwdKernel("bfloat16", 256, False, tma=True)
-    # Softcap or a window's score modifiers take the cp.async build even where TMA is on.
+    # Score modifiers (softcap, ALiBi, dropout) and packed sequences take the cp.async build.
     assert not _instantiations.fwd_kernel("bfloat16", 64, True, True, score_mod=True, wgmma=True, tma=True).tma
     assert not _instantiations.fwd_kernel("bfloat16", 64, True, True, varlen=True, wgmma=True, tma=True).tma
 

@@ -214,9 +214,10 @@ def test_varlen(rng, nan_outputs, hopper, dtype):
 
 
 # The TMA builds (kTma: K_j, V_j copied by the tensor memory accelerator; dense, block-sparse and
-# local, without score modifiers or packed sequences). Seqlen_k ending inside a key block and one key (rows past the keys zero-filled by the
-# copy engine), head dims 40 and 112 (columns past the head dim likewise), GQA, batch > 1 with
-# heads interleaved in a wider array (strides that are not the contiguous ones).
+# local, without score modifiers or packed sequences). Seqlen_k ending inside a key block and one
+# key (rows past the keys zero-filled by the copy engine), head dims 40 and 112 (columns past the
+# head dim likewise), GQA, batch > 1 with heads interleaved in a wider array (strides that are not
+# the contiguous ones).
 TMA_SHAPES = [(2, 70, 1, 4, 2, 64), (2, 203, 331, 4, 2, 40), (1, 300, 1029, 2, 1, 64), (3, 129, 257, 2, 2, 112),
               (1, 515, 700, 4, 4, 128)]
 
