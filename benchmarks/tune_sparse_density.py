@@ -73,6 +73,12 @@ def main(argv=None):
         return bench._median_ms(lambda: [_attention._launch(*launch[:4], *launch[4]) for launch in launches],
                                 0.3) * 1e3
 
+    def described(kernel, times: list, ratios: str) -> str:
+        """A candidate's tile, registers (a cupy.RawKernel's), times in us and ratios."""
+        regs = _compile.get_function(kernel, cupy.cuda.Device().id).num_regs
+        return (f"{str(dataclasses.astuple(kernel.tile)):>27} {regs:>4} | "
+                f"{' / '.join(f'{us:.1f}' for us in times):>8} {ratios:>20}")
+
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     print(f"{'d':>4} {'seqlen':>6} {'pattern':>7} {'density':>7} {'tile (m, n, warps, per SM)':>27} "
           f"{'regs':>4} | {'us':>8} {'/ (density x dense)':>20}")
@@ -94,14 +100,14 @@ def main(argv=None):
                         mask = bench_sparse.make_mask(pattern, density, seqlen, heads,
                                                       numpy.random.default_rng(seqlen + d))
                         out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
-                        times = {}
+                        times, used = {}, {}  # per candidate: times; the dK/dV kernel it launched
                         for _ in range(args.rounds):
                             for tile in BWD_CANDIDATES[d]:
                                 def patched(*a, tile=tile, **kw):
                                     dkdv, dq = real_kernels(*a, **kw)
                                     if tile is not None:
                                         dkdv = dataclasses.replace(dkdv, tile_override=inst.TcDkdvTileShape(*tile))
-                                    times.setdefault(("kernel", tile), dkdv)
+                                    used[tile] = dkdv
                                     return dkdv, dq
 
                                 _attention.backward_kernels = patched
@@ -113,12 +119,9 @@ def main(argv=None):
                                 times.setdefault(tile, []).append(us)
                         base = numpy.median(times[None])
                         for tile in BWD_CANDIDATES[d]:
-                            kernel = times["kernel", tile]
-                            regs = _compile.get_function(kernel, q.device.id).num_regs
+                            ratio = f"{numpy.median(times[tile]) / base:.3f}"
                             print(f"{d:>4} {seqlen:>6} {pattern:>7} {mask.density:7.3f} "
-                                  f"{str(tuple(dataclasses.astuple(kernel.tile))):>27} {regs:>4} | "
-                                  f"{' / '.join(f'{us:.1f}' for us in times[tile]):>8} "
-                                  f"{numpy.median(times[tile]) / base:20.3f} (backward; / the table's)")
+                                  f"{described(used[tile], times[tile], ratio)} (backward; / the table's)")
                 continue
             if args.dense:
                 p = _validation.check_attention_args(q, k, v, causal=args.causal, scale=None, return_lse=True)
@@ -135,13 +138,9 @@ def main(argv=None):
                         times.setdefault(kernel, []).append(us)
                 base = numpy.median(times[kernels[0]])
                 for kernel in kernels:
-                    t = kernel.tile
-                    tile = f"({t.block_m}, {t.block_n}, {t.num_warps}, {t.min_blocks_per_sm})"
-                    regs = _compile.get_function(kernel, q.device.id).num_regs
+                    ratio = f"{numpy.median(times[kernel]) / base:.3f}"
                     print(f"{d:>4} {seqlen:>6} {'causal' if args.causal else 'dense':>7} "
-                          f"{'TMA' if kernel.tma else 'cp.async':>8} {tile:>27} {regs:>4} | "
-                          f"{' / '.join(f'{us:.1f}' for us in times[kernel]):>8} "
-                          f"{numpy.median(times[kernel]) / base:20.3f}")
+                          f"{'TMA' if kernel.tma else 'cp.async':>7} {described(kernel, times[kernel], ratio)}")
                 continue
             for pattern in args.pattern or ["random"]:
                 for density in args.density or [1.0, 0.25, 0.1, 0.05]:
@@ -160,12 +159,9 @@ def main(argv=None):
                     print(f"{d:>4} {seqlen:>6} {pattern:>7} {'dense':>7} {'':>27} {'':>4} | "
                           f"{' / '.join(f'{t:.1f}' for t in times['dense']):>8}")
                     for kernel in kernels:
-                        t = kernel.tile
-                        tile = f"({t.block_m}, {t.block_n}, {t.num_warps}, {t.min_blocks_per_sm})"
-                        regs = _compile.get_function(kernel, q.device.id).num_regs  # a cupy.RawKernel
                         ratios = " / ".join(f"{us / (mask.density * dense):.3f}" for us in times[kernel])
-                        print(f"{d:>4} {seqlen:>6} {pattern:>7} {mask.density:7.3f} {tile:>27} {regs:>4} | "
-                              f"{' / '.join(f'{us:.1f}' for us in times[kernel]):>8} {ratios:>20}")
+                        print(f"{d:>4} {seqlen:>6} {pattern:>7} {mask.density:7.3f} "
+                              f"{described(kernel, times[kernel], ratios)}")
     return 0
 
 
