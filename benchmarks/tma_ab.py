@@ -47,7 +47,7 @@ def main(argv):
         lse = cupy.full((batch, heads, s), numpy.nan, numpy.float32)
         launches, outs = {}, {}
         variants = {"A": _attention.forward_kernel(p, 0, True, True, False),
-                    "B": _attention.forward_kernel(p, 0, True, True, True)}
+                    "B": _attention.forward_kernel(p, 0, True, True, True, ws=False)}
         if d == 64:
             tile = dataclasses.replace(variants["B"].tile, min_blocks_per_sm=variants["B"].tile.min_blocks_per_sm + 1)
             variants["C"] = dataclasses.replace(variants["B"], tile_override=tile)

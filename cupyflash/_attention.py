@@ -427,6 +427,13 @@ def _compute_capability(device_id: int) -> int:
 
 
 @functools.cache
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+@functools.cache
 def large_shared_memory(device_id: int) -> bool:
     """Whether the device offers an H100's shared memory per block (the larger dK/dV tiles)."""
     import cupy
@@ -453,20 +460,24 @@ def wgmma_for(p: _validation.AttentionProblem, device_id: int) -> bool:
     return _instantiations.WGMMA_FORWARD_BY_DEFAULT and _uses_wgmma(p, device_id)
 
 
-def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None, tma=None):
+def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None, tma=None, ws=None):
     """The traits table's forward kernel: the tensor-core kernel where `tensor_cores_for` allows
     it, unless tensor_cores=False; among those the Hopper one where `wgmma_for` allows it, or with
     wgmma=True; that one's TMA build where it has one, unless tma=False or CUPYFLASH_HOPPER_TMA=0
-    (`_instantiations.TMA_FORWARD_BY_DEFAULT`)."""
+    (`_instantiations.TMA_FORWARD_BY_DEFAULT`); in place of the unmasked TMA builds at
+    `_instantiations.WS_FORWARD_HEAD_DIMS` the warp-specialised kernel, unless ws=False or
+    CUPYFLASH_HOPPER_WS=0 (`_instantiations.WS_FORWARD_BY_DEFAULT`)."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
     if wgmma is None:
         wgmma = tensor_cores and wgmma_for(p, device_id)
     if tma is None:
         tma = _instantiations.TMA_FORWARD_BY_DEFAULT
+    if ws is None:
+        ws = _instantiations.WS_FORWARD_BY_DEFAULT
     return _instantiations.fwd_kernel(
         p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None, p.modified, p.varlen, wgmma,
-        wgmma and tma,
+        wgmma and tma, wgmma and tma and ws,
     )
 
 
@@ -477,13 +488,25 @@ def launch_forward(
     size) must already be validated.
 
     `kernel` (an _instantiations.FwdKernel, TcFwdKernel or WgmmaFwdKernel) defaults to `forward_kernel`'s.
-    A TMA build becomes its cp.async twin where K's or V's layout has no tensor map (_tma.py)."""
+    A TMA build becomes its cp.async twin where K's or V's layout has no tensor map (_tma.py), and
+    the warp-specialised kernel the TMA build where Q's, K's or V's has none."""
     kernel = kernel or forward_kernel(p, q.device.id, tensor_cores, wgmma)
     fields = {"lse": lse.data.ptr}
     fields["lse_batch_stride"], fields["lse_head_stride"] = _row_statistics_strides(p)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
         _pointer_and_strides(fields, name, x)
     keep_alive = _problem_fields(fields, p, q.device.id)  # noqa: F841 - until the launch is queued
+    if isinstance(kernel, _instantiations.WgmmaFwdWsKernel):
+        maps = _tma.qkv_tensor_maps(fields, (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group),
+                                    p.dtype_name, p.head_dim, kernel.tile.block_m, kernel.tile.block_n)
+        if maps is not None:
+            params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
+            n_tiles = numpy.array(kernel.n_tiles(p.batch, p.heads, p.seqlen_q), numpy.int32)
+            grid = kernel.grid(p.batch, p.heads, p.seqlen_q, sm_count=_sm_count(q.device.id))
+            _launch(kernel, q.device.id, grid, params, maps, n_tiles)
+            return
+        kernel = _instantiations.fwd_kernel(p.dtype_name, p.head_dim, False, True, kernel.block_sparse, wgmma=True,
+                                            tma=True)
     more = ()  # flash_fwd_tc.cu's kernels also take K's and V's tensor maps (KvTensorMaps)
     if kernel.source_file == "flash_fwd_tc.cu":
         maps = None

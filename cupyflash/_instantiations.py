@@ -157,7 +157,7 @@ def _row_stride(dtype_name: str, columns: int) -> int:
 @functools.cache  # on every call's launch path: one object per instantiation, its properties cached
 def fwd_kernel(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, block_sparse: bool = False,
-    score_mod: bool = False, varlen: bool = False, wgmma: bool = False, tma: bool = False,
+    score_mod: bool = False, varlen: bool = False, wgmma: bool = False, tma: bool = False, ws: bool = False,
 ):
     """The forward kernel for a problem: TcFwdKernel with tensor_cores (16-bit dtypes only), or
     WgmmaFwdKernel with wgmma too (Hopper; head dims padded to WGMMA_HEAD_DIMS), else FwdKernel; its
@@ -165,7 +165,8 @@ def fwd_kernel(
     its score-modifier one (softcap, ALiBi; local) with score_mod, its variable-length one (local,
     score modifiers, dense) with varlen. tma (with wgmma): the TMA build where one exists (no score
     modifiers, not varlen, at TMA_FORWARD_HEAD_DIMS); the launch falls back to the cp.async build
-    for arrays a tensor map cannot describe."""
+    for arrays a tensor map cannot describe. ws (with tma): the warp-specialised kernel
+    (WgmmaFwdWsKernel) where it serves the problem (unmasked, at WS_FORWARD_HEAD_DIMS)."""
     _check_tensor_core_dtype(dtype_name, tensor_cores or wgmma)
     if wgmma and padded_head_dim(head_dim) not in WGMMA_HEAD_DIMS:
         raise ValueError(f"the Hopper forward kernel takes head dims padded to {WGMMA_HEAD_DIMS}, not {head_dim}")
@@ -173,6 +174,8 @@ def fwd_kernel(
     local, sparse, mod, var = _variant_flags(local, block_sparse, score_mod, varlen)
     padded = padded_head_dim(head_dim)
     if wgmma and tma and not (mod or var) and padded in TMA_FORWARD_HEAD_DIMS:
+        if ws and not local and padded in WS_FORWARD_HEAD_DIMS:
+            return WgmmaFwdWsKernel(dtype_name, padded, False, block_sparse=sparse)
         return WgmmaFwdKernel(dtype_name, padded, local, block_sparse=sparse, tma=True)
     return kind(dtype_name, padded, local, block_sparse=sparse, score_mod=mod, varlen=var)
 
@@ -791,6 +794,78 @@ class WgmmaFwdKernel(_TcKernel):
         return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)
 
 
+# The warp-specialised, persistent Hopper forward (flash_fwd_tc.cu's flash_fwd_ws_kernel,
+# WgmmaFwdWsTraits): one producer warpgroup issuing the TMA copies and block_m / 64 consumer
+# warpgroups, one block per SM walking the query tiles in turn. It serves the unmasked problems
+# (dense or block-sparse) at WS_FORWARD_HEAD_DIMS whose arrays take tensor maps, unless
+# CUPYFLASH_HOPPER_WS=0. On an H200 (benchmarks/ws_ab.py, session 32; kernels alone, bf16, b4 s4096
+# h16) it took 0.94-0.95x the d128 TMA build's time dense and 0.87-0.89x at mask densities 0.1-0.05.
+# At d64 every tile and schedule tried took 1.09-1.18x the TMA build's (three one-warpgroup
+# blocks per SM, whose softmax and products the SM interleaves), so d64 keeps that build.
+WS_FORWARD_HEAD_DIMS = (128,)
+WS_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_WS", "1") != "0"
+
+
+@dataclasses.dataclass(frozen=True)
+class WsTileShape:
+    block_m: int  # B_r, queries per tile: 64 per consumer warpgroup
+    block_n: int  # B_c, keys per step
+    stages: int  # K_j, V_j buffers each
+
+    @property
+    def num_warps(self) -> int:
+        return 4 * (self.block_m // 64 + 1)
+
+
+# Two consumer warpgroups; two stages fill the shared memory with both Q_i buffers (193 KiB).
+WGMMA_FWD_WS_TILES = {
+    128: WsTileShape(128, 128, 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaFwdWsKernel(_TcKernel):
+    """kernels/flash_fwd_tc.cu's flash_fwd_ws_kernel (sm_90a): warp-specialised and persistent, at
+    most one block per SM; dense or block-sparse, not local, no score modifiers, not varlen. It
+    takes Q's, K's and V's tensor maps (QkvTensorMaps) and the number of query tiles."""
+
+    source_file = "flash_fwd_tc.cu"
+    kernel_name = "flash_fwd_ws_kernel"
+    traits_name = "WgmmaFwdWsTraits"
+    arch = WGMMA_ARCH
+    compile_options = (f"--gpu-architecture={WGMMA_ARCH}",)
+    tma = True  # its copies are all the TMA's (launch_forward makes its maps)
+
+    def __post_init__(self):
+        if self.local or self.score_mod or self.varlen or self.head_dim not in WS_FORWARD_HEAD_DIMS:
+            raise ValueError(f"the warp-specialised forward is unmasked, with no score modifiers and no packed "
+                             f"sequences, at head dims {WS_FORWARD_HEAD_DIMS}; not {self}")
+        if self.block_sparse and 128 % self.tile.block_m:
+            # A query tile must lie in one mask row (block_mask_granularity: 128 at these head dims).
+            raise ValueError(f"the block-sparse warp-specialised forward takes 64 or 128 queries a tile; not {self}")
+
+    @functools.cached_property
+    def tile(self) -> WsTileShape:
+        return self.tile_override or WGMMA_FWD_WS_TILES[self.head_dim]
+
+    @functools.cached_property
+    def name_expression(self) -> str:
+        return f"cupyflash::{self.kernel_name}<{self.traits}, {str(self.block_sparse).lower()}>"
+
+    @functools.cached_property
+    def smem_bytes(self) -> int:
+        # Mirrors WgmmaFwdWsTraits::kSmemBytes: two Q_i buffers, `stages` of K_j and of V_j, and a
+        # swizzle period to align their base.
+        t = self.tile
+        return (2 * t.block_m + 2 * t.stages * t.block_n) * self.head_dim * 2 + 1024
+
+    def n_tiles(self, batch: int, heads: int, seqlen_q: int) -> int:
+        return math.ceil(seqlen_q / self.tile.block_m) * heads * batch
+
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0, sm_count: int = 132) -> tuple[int, int, int]:
+        return (max(1, min(self.n_tiles(batch, heads, seqlen_q), sm_count)), 1, 1)
+
+
 # The dK/dV kernel on wgmma (flash_bwd_tc.cu with WgmmaBwdDkdvTraits): 64 keys per warpgroup,
 # two warpgroups; the deterministic dQ kernel stays mma.sync. attention_backward() takes it on
 # sm_90 unless CUPYFLASH_HOPPER_BACKWARD=0 is set (then the mma.sync dK/dV kernel serves, as on
@@ -865,6 +940,11 @@ def all_wgmma_kernels() -> list:
         for dtype_name in TENSOR_CORE_DTYPES
         for d in TMA_FORWARD_HEAD_DIMS
         for local in (False, True)
+        for sparse in (False, True)
+    ] + [
+        WgmmaFwdWsKernel(dtype_name, d, False, block_sparse=sparse)
+        for dtype_name in TENSOR_CORE_DTYPES
+        for d in WS_FORWARD_HEAD_DIMS
         for sparse in (False, True)
     ] + [
         WgmmaBwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, tma=True)

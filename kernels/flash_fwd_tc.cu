@@ -192,4 +192,146 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
                                sQ);
 }
 
+// Q's, K's and V's tensor maps, for the warp-specialised forward: like KvTensorMaps, Q's with
+// boxes of a query tile's rows.
+struct QkvTensorMaps {
+    TensorMap q, k, v;
+};
+static_assert(sizeof(QkvTensorMaps) == 384, "cupyflash/_tma.py passes 3 x 128 bytes");
+
+// The warp-specialised, persistent forward (WgmmaFwdWsTraits): dense or block-sparse, not local,
+// no score modifiers, not packed. Grid: (blocks, at most one per SM). Block: Kt::kNThreadsAll.
+// Block b takes query tiles b, b + gridDim.x, ... of the n_tiles = query tiles x heads x batch,
+// query tiles fastest (a head's K, V stay in L2 while its tiles run). Per tile the same steps as
+// flash_fwd_tc_kernel, Algorithm 1 of FlashAttention-2, split between the roles:
+//   producer (thread 0): the tile's key blocks (the mask row's list), Q_i into a free Q buffer,
+//     then K_j and V_j into the ring's next free stage, each counted on its `full` mbarrier;
+//   consumers: wait for a buffer's `full` phase, compute, arrive on its `empty` mbarrier (one
+//     arrival per warp) once read. The producer passes each tile's key-block count and each
+//     stage's first key along in shared memory, written before the arrival that completes the
+//     phase the consumers wait for.
+template <typename Kt, bool kIsBlockSparse>
+__global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
+    flash_fwd_ws_kernel(const FwdParams params, const __grid_constant__ QkvTensorMaps maps, const int n_tiles) {
+    constexpr int kStages = Kt::kStages;
+    constexpr int kConsumerWarps = Kt::kConsumerThreads / 32;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const unsigned tiles = Kt::tile_base(smem_address(smem));
+    const unsigned sQ0 = tiles + Kt::kSmemQBytesOffset;  // Q_i [kBlockM][head dim], two buffers
+    const unsigned sK0 = tiles + Kt::kSmemKBytesOffset;  // K_j [kBlockN][head dim], kStages buffers
+    const unsigned sV0 = tiles + Kt::kSmemVBytesOffset;  // V_j likewise
+
+    // full: the buffer's copy has landed (the producer's arrival and its bytes); empty: every
+    // consumer warp is done with it.
+    __shared__ alignas(8) unsigned long long q_barriers[2][2], k_barriers[kStages][2], v_barriers[kStages][2];
+    __shared__ int q_blocks[2];        // the key blocks of the tile in each Q buffer
+    __shared__ int stage_col0[kStages];  // each stage's first key
+    if (threadIdx.x == 0) {
+        for (int b = 0; b < 2; ++b) {
+            mbarrier_init(smem_address(&q_barriers[b][0]), 1);
+            mbarrier_init(smem_address(&q_barriers[b][1]), kConsumerWarps);
+        }
+        for (int s = 0; s < kStages; ++s) {
+            mbarrier_init(smem_address(&k_barriers[s][0]), 1);
+            mbarrier_init(smem_address(&k_barriers[s][1]), kConsumerWarps);
+            mbarrier_init(smem_address(&v_barriers[s][0]), 1);
+            mbarrier_init(smem_address(&v_barriers[s][1]), kConsumerWarps);
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();  // the last block-wide barrier: the roles part here
+
+    const int m_tiles = ceil_div(params.seqlen_q, Kt::kBlockM);
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<Kt::kProducerRegs>();
+        if (threadIdx.x != 0) return;
+        // The empty barriers' phases start "completed" for the producer: it waits on the parity
+        // before the current one (phase ^ 1), which a fresh mbarrier reports as done.
+        int stage = 0, q_buffer = 0;
+        unsigned phase = 0, q_phase = 0;
+        for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+            const int m_block = tile % m_tiles, head_idx = tile / m_tiles % params.heads,
+                      batch_idx = tile / m_tiles / params.heads;
+            const int row0 = m_block * Kt::kBlockM, kv_head = head_idx / params.kv_group;
+            const auto key_blocks = key_tiles<Kt::kBlockN, false, kIsBlockSparse>(
+                params, batch_idx, head_idx, row0, min(Kt::kBlockM, params.seqlen_q - row0));
+            const unsigned q_full = smem_address(&q_barriers[q_buffer][0]);
+            mbarrier_wait(smem_address(&q_barriers[q_buffer][1]), q_phase ^ 1);
+            q_blocks[q_buffer] = key_blocks.end - key_blocks.begin;
+            if (key_blocks.begin < key_blocks.end)
+                load_tile_tma<Kt, Kt::kBlockM>(sQ0 + q_buffer * Kt::kQTileBytes, maps.q, q_full, row0, head_idx,
+                                               batch_idx);
+            else
+                mbarrier_arrive(q_full);  // no keys: the consumers write zeros and -inf
+            if (++q_buffer == 2) q_buffer = 0, q_phase ^= 1;
+            for (int t = key_blocks.begin; t < key_blocks.end; ++t) {
+                const int col0 = key_blocks[t] * Kt::kBlockN;
+                mbarrier_wait(smem_address(&k_barriers[stage][1]), phase ^ 1);
+                stage_col0[stage] = col0;
+                load_tile_tma<Kt, Kt::kBlockN>(sK0 + stage * Kt::kKvTileBytes, maps.k, smem_address(&k_barriers[stage][0]),
+                                               col0, kv_head, batch_idx);
+                mbarrier_wait(smem_address(&v_barriers[stage][1]), phase ^ 1);
+                load_tile_tma<Kt, Kt::kBlockN>(sV0 + stage * Kt::kKvTileBytes, maps.v, smem_address(&v_barriers[stage][0]),
+                                               col0, kv_head, batch_idx);
+                if (++stage == kStages) stage = 0, phase ^= 1;
+            }
+        }
+        return;
+    }
+
+    setmaxnreg_inc<Kt::kConsumerRegs>();
+    const int warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;  // consumer warp 0..
+    const int warpgroup = warp / 4;
+    const Fragment f(lane);
+    const float scale_log2 = static_cast<float>(params.scale_log2);
+    // Each buffer is handed back by every warp once its products have read it.
+    const auto release = [&](unsigned long long (&barriers)[kStages][2], int s) {
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(smem_address(&barriers[s][1]));
+    };
+    int stage = 0, q_buffer = 0;
+    unsigned phase = 0, q_phase = 0;
+    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+        const int m_block = tile % m_tiles, head_idx = tile / m_tiles % params.heads,
+                  batch_idx = tile / m_tiles / params.heads;
+        const int warp_row0 = m_block * Kt::kBlockM + warp * Kt::kWarpRows;
+        const unsigned sQ = sQ0 + q_buffer * Kt::kQTileBytes;
+
+        float O[Kt::kMTiles][Kt::kHeadDim / 8][4];
+        float m[Kt::kMTiles][2], l[Kt::kMTiles][2];
+        zero(O);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) m[0][h] = neg_inf<float>(), l[0][h] = 0.f;
+
+        mbarrier_wait(smem_address(&q_barriers[q_buffer][0]), q_phase);
+        const int n_blocks = q_blocks[q_buffer];
+        for (int t = 0; t < n_blocks; ++t) {
+            mbarrier_wait(smem_address(&k_barriers[stage][0]), phase);
+            const int col0 = stage_col0[stage];
+            float S[Kt::kMTiles][Kt::kNTiles][4];
+            // This warpgroup's 64 rows of Q_i against all of K_j.
+            wgmma_abt<Kt, Kt::kBlockN, Kt::kBlockM>(S[0], sQ + Kt::row_bytes(64 * warpgroup),
+                                                    sK0 + stage * Kt::kKvTileBytes);
+            release(k_barriers, stage);
+            if (params.seqlen_k - col0 < Kt::kBlockN) mask_fragments<false, false>(S, warp_row0, col0, params, f);
+            online_softmax_tc<Kt>(S, O, m, l, scale_log2);
+            unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
+            to_a_fragments<typename Kt::Op>(S, P);
+            mbarrier_wait(smem_address(&v_barriers[stage][0]), phase);
+            wgmma_ab_rs<Kt, Kt::kBlockN>(O[0], P[0], sV0 + stage * Kt::kKvTileBytes);
+            release(v_barriers, stage);
+            if (++stage == kStages) stage = 0, phase ^= 1;
+        }
+        // O_i goes out through this warp's rows of its Q_i buffer (every wgmma reading them is
+        // done); the buffer is handed back once the rows are read out, and the generic proxy's
+        // writes are ordered before the TMA's next ones.
+        __syncwarp();
+        epilogue_tc<Kt>(params, O, m, l, batch_idx, head_idx, warp_row0, f, 1.f, sQ);
+        __syncwarp();
+        fence_proxy_async();
+        if (lane == 0) mbarrier_arrive(smem_address(&q_barriers[q_buffer][1]));
+        if (++q_buffer == 2) q_buffer = 0, q_phase ^= 1;
+    }
+}
+
 }  // namespace cupyflash

@@ -137,6 +137,42 @@ struct WgmmaFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_>, S
     static_assert((kBlockN * kSwizzleBytes) % kSwizzleAtomBytes == 0, "K_j, V_j panels start on swizzle periods");
 };
 
+// Forward on Hopper, warp-specialised and persistent (FlashAttention-3's structure;
+// flash_fwd_tc.cu's flash_fwd_ws_kernel): a block per SM walks query tiles of kBlockM rows in
+// turn. Warpgroup 0 is the producer: one of its threads asks the TMA for each tile's Q_i (two
+// buffers) and for its K_j, V_j (a ring of kStages buffers each). The kConsumers warpgroups after
+// it compute, 64 of the tile's rows each, as WgmmaFwdTraits' warpgroups do (this is that traits'
+// view of the consumers), and hand each buffer back once read. So the next tile's Q_i and first
+// K_j, V_j land while the consumers finish this one. O_i goes out through its own Q_i buffer.
+// (FlashAttention-3's ping-pong turns between the consumers and its overlap of the next S_ij with
+// this step's softmax within a warpgroup were both slower here: benchmarks/NOTES.md, session 32.)
+// The shared memory includes a swizzle period's slack to round the tiles' base up to one.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct WgmmaFwdWsTraits : WgmmaFwdTraits<Element_, kHeadDim_, kBlockM_, kBlockN_, kBlockM_ / 16, 1> {
+    using Base = WgmmaFwdTraits<Element_, kHeadDim_, kBlockM_, kBlockN_, kBlockM_ / 16, 1>;
+    static constexpr int kConsumers = kBlockM_ / 64;            // consumer warpgroups
+    static constexpr int kConsumerThreads = 128 * kConsumers;
+    static constexpr int kNThreadsAll = kConsumerThreads + 128;  // and the producer warpgroup
+    static constexpr int kStages = kStages_;
+    // setmaxnreg's split of the 64K registers: the producer keeps the fewest it may.
+    static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+    static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+
+    static constexpr int kQTileBytes = kBlockM_ * kHeadDim_ * 2;  // one Q_i buffer
+    static constexpr int kKvTileBytes = kBlockN_ * kHeadDim_ * 2;  // one K_j or V_j buffer
+    // Bytes from the aligned base: two Q_i buffers, then kStages of K_j, then kStages of V_j.
+    static constexpr int kSmemQBytesOffset = 0;
+    static constexpr int kSmemKBytesOffset = 2 * kQTileBytes;
+    static constexpr int kSmemVBytesOffset = kSmemKBytesOffset + kStages_ * kKvTileBytes;
+    static constexpr int kSmemBytes = kSmemVBytesOffset + kStages_ * kKvTileBytes + kSwizzleAtomBytes;
+
+    static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups (setmaxnreg's split)");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "the registers are shared out");
+    static_assert(kStages_ >= 2, "K_j, V_j at least double-buffered");
+    static_assert(kQTileBytes % kSwizzleAtomBytes == 0 && kKvTileBytes % kSwizzleAtomBytes == 0,
+                  "every buffer starts on a swizzle period");
+};
+
 // Backward dK/dV: one block per (key block, output column slice, head, batch). Its rows are keys:
 // S_ij^T = K_j Q_i^T, so that P^T and dS^T come out as A operands of dV_j += P^T dO_i and
 // dK_j += dS^T Q_i. The warps form a kWarpsK x kWarpsQ grid (FlashAttention-2's partition, which

@@ -100,6 +100,10 @@ __device__ __forceinline__ bool mbarrier_try_wait(unsigned barrier, unsigned par
                  : "memory");
     return done != 0;
 }
+// The calling thread's arrival on `barrier`, announcing no bytes: a consumer handing a buffer back.
+__device__ __forceinline__ void mbarrier_arrive(unsigned barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
+}
 // Waits until the phase of `barrier` with this parity has completed; its copies are then visible
 // to the calling thread.
 __device__ __forceinline__ void mbarrier_wait(unsigned barrier, unsigned parity) {
@@ -139,6 +143,16 @@ template <int kPending> __device__ __forceinline__ void bulk_wait_group_read() {
 // Barrier `id` (1..15; 0 is __syncthreads') among `threads` threads, whole warps: a warpgroup's own.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// A warpgroup's registers per thread set to kRegs (a multiple of 8, 24..256; every thread of the
+// warpgroup executes it): a warp-specialised kernel moves registers from the warpgroup that only
+// issues copies to those that compute.
+template <int kRegs> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
 // f(Index<i>()) for i = kBegin..kEnd-1: a loop whose index is a template argument.

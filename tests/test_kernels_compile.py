@@ -280,6 +280,7 @@ def test_the_hopper_forward_takes_its_tma_builds_where_they_exist(monkeypatch, h
     monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: 90)
     monkeypatch.setattr(_instantiations, "WGMMA_FORWARD_BY_DEFAULT", True)
     monkeypatch.setattr(_instantiations, "TMA_FORWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(_instantiations, "WS_FORWARD_BY_DEFAULT", False)  # (its own test below)
     q = numpy.zeros((1, 300, 2, head_dim), _validation.BFLOAT16)
     p = _validation.check_attention_args(q, q, q, causal=causal, scale=None, return_lse=True)
     if sparse:
@@ -296,6 +297,46 @@ def test_the_hopper_forward_takes_its_tma_builds_where_they_exist(monkeypatch, h
         assert (twin.tile == kernel.tile) == (causal or kernel.head_dim != 128)
         monkeypatch.setattr(_instantiations, "TMA_FORWARD_BY_DEFAULT", False)
         assert _attention.forward_kernel(p, 0) == twin
+
+
+@pytest.mark.parametrize("head_dim,causal,sparse,ws", [
+    (100, False, False, True), (112, False, True, True), (128, False, False, True), (128, False, True, True),
+    (64, False, False, False), (40, False, True, False), (128, True, True, False), (160, False, False, False),
+])
+def test_the_warp_specialised_forward_serves_unmasked_tma_problems(monkeypatch, head_dim, causal, sparse, ws):
+    """By default (WS_FORWARD_BY_DEFAULT, off with CUPYFLASH_HOPPER_WS=0) or with ws=True, the
+    unmasked problems (dense or block-sparse) at WS_FORWARD_HEAD_DIMS take the warp-specialised
+    kernel; d64 and local ones keep the TMA build. Its instantiations are in the list every check
+    compiles."""
+    from cupyflash import _attention, _validation
+
+    monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: 90)
+    monkeypatch.setattr(_instantiations, "WGMMA_FORWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(_instantiations, "TMA_FORWARD_BY_DEFAULT", True)
+    q = numpy.zeros((1, 300, 2, head_dim), _validation.BFLOAT16)
+    p = _validation.check_attention_args(q, q, q, causal=causal, scale=None, return_lse=True)
+    if sparse:
+        p = _validation.check_block_mask(BlockMask(numpy.ones((1, 3, 3), bool)), p)
+    kernel = _attention.forward_kernel(p, 0, ws=True)
+    assert isinstance(kernel, _instantiations.WgmmaFwdWsKernel) == ws
+    assert kernel in _instantiations.all_kernels("sm_90a")
+    assert not isinstance(_attention.forward_kernel(p, 0, ws=False), _instantiations.WgmmaFwdWsKernel)
+    monkeypatch.setattr(_instantiations, "WS_FORWARD_BY_DEFAULT", False)
+    assert not isinstance(_attention.forward_kernel(p, 0), _instantiations.WgmmaFwdWsKernel)
+    monkeypatch.setattr(_instantiations, "WS_FORWARD_BY_DEFAULT", True)
+    assert _attention.forward_kernel(p, 0) == kernel
+    if ws:
+        assert kernel.block_sparse == sparse and kernel.num_threads == 384
+        assert kernel.name_expression.endswith(f", {str(sparse).lower()}>")
+        assert kernel.grid(2, 3, 1000, sm_count=132) == (2 * 3 * 8, 1, 1)
+        assert kernel.grid(4, 32, 4096, sm_count=132) == (132, 1, 1)
+        # A mask block always holds whole query tiles of it.
+        assert _instantiations.block_mask_granularity("bfloat16", head_dim)[0] % kernel.tile.block_m == 0
+    for args, kwargs in ((("bfloat16", 128, True), {}), (("bfloat16", 64, False), {}),
+                         (("bfloat16", 128, False), {"block_sparse": True,
+                                                     "tile_override": _instantiations.WsTileShape(192, 64, 2)})):
+        with pytest.raises(ValueError, match="warp-specialised"):
+            _instantiations.WgmmaFwdWsKernel(*args, **kwargs)
 
 
 def test_tma_builds_take_no_score_modifiers_and_no_packed_sequences():

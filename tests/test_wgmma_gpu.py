@@ -62,7 +62,8 @@ def took_hopper(launched: Launched) -> bool:
     forwards = [k for k in launched if "Fwd" in type(k).__name__]
     dkdv = [k for k in launched if isinstance(k, inst.TcBwdDkdvKernel)]
     hopper_dkdv = all(isinstance(k, inst.WgmmaBwdDkdvKernel) == launched.backward for k in dkdv)
-    return bool(forwards) and all(isinstance(k, inst.WgmmaFwdKernel) for k in forwards) and hopper_dkdv
+    hopper_forwards = all(isinstance(k, (inst.WgmmaFwdKernel, inst.WgmmaFwdWsKernel)) for k in forwards)
+    return bool(forwards) and hopper_forwards and hopper_dkdv
 
 
 @pytest.mark.parametrize("head_dim,hopper_kernel", [(40, True), (64, True), (100, True), (128, True), (160, False)])
@@ -246,12 +247,8 @@ def test_tma_build_equals_the_cp_async_build(rng, monkeypatch, nan_outputs, hopp
     compute the same arithmetic on them: at the same tile, outputs equal bit for bit. The cp.async
     build the API takes with the TMA off (at d128 unmasked another tile than the TMA build's,
     WGMMA_FWD_UNMASKED_TMA_TILES) is within the reference's tolerance."""
-    import cupy
-
-    from cupyflash import _validation
-    from shapes import bits
-
     causal, window, block_sparse = TMA_VARIANTS[variant]
+    monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", False)  # (test_warp_specialised_forward)
     q, k, v = _tma_inputs(rng, dtype, shape)
     assert not k.flags.c_contiguous
     mask = None
@@ -273,13 +270,81 @@ def test_tma_build_equals_the_cp_async_build(rng, monkeypatch, nan_outputs, hopp
     assert_matches_reference(q, k, v, out_cp, lse_cp, dtype, causal, block_mask=mask, window=window)
 
     twin = dataclasses.replace(inst.without_tma(tma), tile_override=tma.tile)
-    p = _validation.check_attention_args(q, k, v, causal=causal, scale=None, return_lse=True, window=window)
+    assert_build_gives_the_same_bits(twin, q, k, v, out, lse, mask, causal=causal, window=window)
+
+
+def assert_build_gives_the_same_bits(kernel, q, k, v, out, lse, mask, **options):
+    """`kernel` launched on the same problem writes out's and lse's bits exactly."""
+    import cupy
+
+    from cupyflash import _validation
+    from shapes import bits
+
+    p = _validation.check_attention_args(q, k, v, scale=None, return_lse=True, **{"causal": False, **options})
     if mask is not None:
         p = _validation.check_block_mask(mask, p)
     out_twin, lse_twin = cupy.full_like(out, numpy.nan), cupy.full_like(lse, numpy.nan)
-    _attention.launch_forward(q, k, v, out_twin, lse_twin, p, twin)
+    _attention.launch_forward(q, k, v, out_twin, lse_twin, p, kernel)
     assert (bits(out.get()) == bits(out_twin.get())).all()
     assert (bits(lse.get()) == bits(lse_twin.get())).all()
+
+
+# (batch, seqlen_q, seqlen_k, heads, K/V heads, head dim padded to 128, rows of whole 16 bytes so
+# that the strided K and V of _tma_inputs take tensor maps): one-row and one-key problems, tiles
+# cut by both sequence ends, GQA, head dims inside the last panel, seqlen_q a tile multiple and not.
+WS_SHAPES = [(2, 70, 1, 4, 2, 128), (2, 1, 17, 3, 3, 104), (2, 203, 331, 4, 2, 120), (3, 129, 257, 2, 2, 112),
+             (1, 515, 700, 4, 4, 128), (1, 1023, 1024, 2, 1, 128), (1, 1024, 1023, 2, 2, 120)]
+
+
+@pytest.mark.parametrize("sm_count", [None, 1, 3])
+@pytest.mark.parametrize("block_sparse", [False, True], ids=["dense", "block-sparse"])
+@pytest.mark.parametrize("shape", WS_SHAPES)
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_warp_specialised_forward(rng, monkeypatch, nan_outputs, hopper, dtype, shape, block_sparse, sm_count):
+    """The warp-specialised kernel (WgmmaFwdWsKernel) against the reference, and bit for bit against
+    the TMA build at its tile (128 x 128, two warpgroups, no lazy rescale: the same arithmetic on
+    the same tiles). sm_count forces the persistent grid down to 1 or 3 blocks, so that each walks
+    many tiles through both Q_i buffers and round the K_j, V_j ring. Block-sparse masks leave a
+    mask row empty (output 0, lse -inf) where there are two."""
+    monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", True)
+    if sm_count is not None:
+        monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count)
+    q, k, v = _tma_inputs(rng, dtype, shape)
+    mask = None
+    if block_sparse:
+        dense = rng.random((shape[3], -(-shape[1] // 128), -(-shape[2] // 128))) < 0.6
+        if dense.shape[1] > 1:
+            dense[0, 1] = False
+        mask = BlockMask(dense)
+        out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+    else:
+        out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    ws = hopper[-1]
+    assert isinstance(ws, inst.WgmmaFwdWsKernel) and ws.block_sparse == block_sparse
+    assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
+
+    twin = inst.WgmmaFwdKernel(dtype, ws.head_dim, False, block_sparse=block_sparse, tma=True,
+                               tile_override=inst.TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1))
+    assert_build_gives_the_same_bits(twin, q, k, v, out, lse, mask)
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_warp_specialised_forward_falls_back(rng, monkeypatch, nan_outputs, hopper, dtype):
+    """Q 2 bytes off 16-byte alignment has no tensor map: the TMA build serves (K's and V's maps
+    still fit). Causal problems take the TMA build too."""
+    import cupy
+
+    monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", True)
+    dt = numpy_dtype(dtype)
+    buf = cupy.asarray(rng.standard_normal(300 * 2 * 128 + 1).astype(dt))
+    q = buf[1:].reshape(1, 300, 2, 128)
+    k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 1, 300, 300, 2, 128)[1:])
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    assert isinstance(hopper[-1], inst.WgmmaFwdKernel) and hopper[-1].tma
+    assert_matches_reference(q, k, v, out, lse, dtype, False)
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    assert isinstance(hopper[-1], inst.WgmmaFwdKernel) and hopper[-1].tma and hopper[-1].local
+    assert_matches_reference(q, k, v, out, lse, dtype, True)
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
