@@ -489,7 +489,7 @@ def launch_forward(
 
     `kernel` (an _instantiations.FwdKernel, TcFwdKernel or WgmmaFwdKernel) defaults to `forward_kernel`'s.
     A TMA build becomes its cp.async twin where K's or V's layout has no tensor map (_tma.py), and
-    the warp-specialised kernel the TMA build where Q's, K's or V's has none."""
+    the warp-specialised kernel the TMA build where Q's, K's, V's or O's has none."""
     kernel = kernel or forward_kernel(p, q.device.id, tensor_cores, wgmma)
     fields = {"lse": lse.data.ptr}
     fields["lse_batch_stride"], fields["lse_head_stride"] = _row_statistics_strides(p)
@@ -497,8 +497,8 @@ def launch_forward(
         _pointer_and_strides(fields, name, x)
     keep_alive = _problem_fields(fields, p, q.device.id)  # noqa: F841 - until the launch is queued
     if isinstance(kernel, _instantiations.WgmmaFwdWsKernel):
-        maps = _tma.qkv_tensor_maps(fields, (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group),
-                                    p.dtype_name, p.head_dim, kernel.tile.block_m, kernel.tile.block_n)
+        maps = _tma.fwd_ws_tensor_maps(fields, (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group),
+                                       p.dtype_name, p.head_dim, kernel.tile.block_m, kernel.tile.block_n, 64)
         if maps is not None:
             params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
             n_tiles = numpy.array(kernel.n_tiles(p.batch, p.heads, p.seqlen_q), numpy.int32)

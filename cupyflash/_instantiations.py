@@ -827,7 +827,7 @@ WGMMA_FWD_WS_TILES = {
 class WgmmaFwdWsKernel(_TcKernel):
     """kernels/flash_fwd_tc.cu's flash_fwd_ws_kernel (sm_90a): warp-specialised and persistent, at
     most one block per SM; dense or block-sparse, not local, no score modifiers, not varlen. It
-    takes Q's, K's and V's tensor maps (QkvTensorMaps) and the number of query tiles."""
+    takes Q's, K's, V's and O's tensor maps (FwdWsTensorMaps) and the number of query tiles."""
 
     source_file = "flash_fwd_tc.cu"
     kernel_name = "flash_fwd_ws_kernel"

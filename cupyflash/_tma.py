@@ -4,8 +4,8 @@ and the dK/dV kernel's (kernels/flash_bwd_tc.cu).
 A tensor map (CUDA's CUtensorMap: 128 opaque bytes) tells the tensor memory accelerator how a
 tensor lies in global memory and which box one copy moves between it and shared memory. The driver
 makes it (`cuTensorMapEncodeTiled`, reached through ctypes: CuPy does not wrap it). The forward
-takes K's and V's as one 256-byte `KvTensorMaps` argument (its warp-specialised kernel Q's, K's
-and V's as a 384-byte `QkvTensorMaps`); the dK/dV kernel takes a 384-byte
+takes K's and V's as one 256-byte `KvTensorMaps` argument (its warp-specialised kernel Q's, K's,
+V's and O's as a 512-byte `FwdWsTensorMaps`); the dK/dV kernel takes a 384-byte
 `BwdTensorMaps`: its float32 dQ workspace's, into which the TMA adds dQ_i's shares, then Q's and
 dO's, from which it loads Q_i and dO_i.
 
@@ -121,17 +121,18 @@ def kv_tensor_maps(fields: dict, dims: tuple[int, int, int], dtype_name: str, he
     return tile_tensor_maps(fields, ("k", "v"), dims, dtype_name, head_dim, box_rows)
 
 
-def qkv_tensor_maps(fields: dict, q_dims: tuple[int, int, int], kv_dims: tuple[int, int, int], dtype_name: str,
-                    head_dim: int, q_rows: int, kv_rows: int) -> numpy.ndarray | None:
-    """Q's, K's and V's maps (384 bytes, QkvTensorMaps' layout) for the warp-specialised forward:
-    Q's with boxes of q_rows queries, q_dims = (batch, seqlen_q, heads); K's and V's as
-    `kv_tensor_maps`. None where any of them cannot be made."""
+def fwd_ws_tensor_maps(fields: dict, q_dims: tuple[int, int, int], kv_dims: tuple[int, int, int], dtype_name: str,
+                       head_dim: int, q_rows: int, kv_rows: int, o_rows: int) -> numpy.ndarray | None:
+    """The warp-specialised forward's maps (512 bytes, FwdWsTensorMaps' layout) from its FwdParams
+    fields: Q's with boxes of q_rows queries, q_dims = (batch, seqlen_q, heads); K's and V's as
+    `kv_tensor_maps`; O's (q_dims too) with boxes of o_rows queries, through which it stores O.
+    None where any of them cannot be made."""
     kv = kv_tensor_maps(fields, kv_dims, dtype_name, head_dim, kv_rows)
     if kv is None:
         return None
-    q = _one_tile_map(fields["q"], (fields["q_batch_stride"], fields["q_row_stride"], fields["q_head_stride"]),
-                      q_dims, dtype_name, head_dim, q_rows)
-    return None if q is None else numpy.concatenate([q, kv])
+    q, o = (_one_tile_map(fields[x], (fields[f"{x}_batch_stride"], fields[f"{x}_row_stride"], fields[f"{x}_head_stride"]),
+                          q_dims, dtype_name, head_dim, rows) for x, rows in (("q", q_rows), ("o", o_rows)))
+    return None if q is None or o is None else numpy.concatenate([q, kv, o])
 
 
 @functools.lru_cache(maxsize=64)

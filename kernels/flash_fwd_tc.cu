@@ -192,12 +192,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
                                sQ);
 }
 
-// Q's, K's and V's tensor maps, for the warp-specialised forward: like KvTensorMaps, Q's with
-// boxes of a query tile's rows.
-struct QkvTensorMaps {
-    TensorMap q, k, v;
+// The warp-specialised forward's tensor maps: Q's, K's and V's like KvTensorMaps' (Q's boxes a
+// query tile's rows), and O's, whose boxes are a consumer warpgroup's 64 rows.
+struct FwdWsTensorMaps {
+    TensorMap q, k, v, o;
 };
-static_assert(sizeof(QkvTensorMaps) == 384, "cupyflash/_tma.py passes 3 x 128 bytes");
+static_assert(sizeof(FwdWsTensorMaps) == 512, "cupyflash/_tma.py passes 4 x 128 bytes");
 
 // The warp-specialised, persistent forward (WgmmaFwdWsTraits): dense or block-sparse, not local,
 // no score modifiers, not packed. Grid: (blocks, at most one per SM). Block: Kt::kNThreadsAll.
@@ -206,13 +206,14 @@ static_assert(sizeof(QkvTensorMaps) == 384, "cupyflash/_tma.py passes 3 x 128 by
 // flash_fwd_tc_kernel, Algorithm 1 of FlashAttention-2, split between the roles:
 //   producer (thread 0): the tile's key blocks (the mask row's list), Q_i into a free Q buffer,
 //     then K_j and V_j into the ring's next free stage, each counted on its `full` mbarrier;
-//   consumers: wait for a buffer's `full` phase, compute, arrive on its `empty` mbarrier (one
-//     arrival per warp) once read. The producer passes each tile's key-block count and each
-//     stage's first key along in shared memory, written before the arrival that completes the
-//     phase the consumers wait for.
+//   consumers: wait for a buffer's `full` phase, compute, arrive on its `empty` mbarrier once
+//     read (K_j, V_j: one arrival per warp; Q_i: one per warpgroup, once the TMA has read the O_i
+//     rows staged in it). The producer passes each tile's key-block count and each stage's first
+//     key along in shared memory, written before the arrival that completes the phase the
+//     consumers wait for.
 template <typename Kt, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
-    flash_fwd_ws_kernel(const FwdParams params, const __grid_constant__ QkvTensorMaps maps, const int n_tiles) {
+    flash_fwd_ws_kernel(const FwdParams params, const __grid_constant__ FwdWsTensorMaps maps, const int n_tiles) {
     constexpr int kStages = Kt::kStages;
     constexpr int kConsumerWarps = Kt::kConsumerThreads / 32;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
     if (threadIdx.x == 0) {
         for (int b = 0; b < 2; ++b) {
             mbarrier_init(smem_address(&q_barriers[b][0]), 1);
-            mbarrier_init(smem_address(&q_barriers[b][1]), kConsumerWarps);
+            mbarrier_init(smem_address(&q_barriers[b][1]), Kt::kConsumers);
         }
         for (int s = 0; s < kStages; ++s) {
             mbarrier_init(smem_address(&k_barriers[s][0]), 1);
@@ -322,14 +323,25 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
             release(v_barriers, stage);
             if (++stage == kStages) stage = 0, phase ^= 1;
         }
-        // O_i goes out through this warp's rows of its Q_i buffer (every wgmma reading them is
-        // done); the buffer is handed back once the rows are read out, and the generic proxy's
-        // writes are ordered before the TMA's next ones.
-        __syncwarp();
-        epilogue_tc<Kt>(params, O, m, l, batch_idx, head_idx, warp_row0, f, 1.f, sQ);
-        __syncwarp();
-        fence_proxy_async();
-        if (lane == 0) mbarrier_arrive(smem_address(&q_barriers[q_buffer][1]));
+        // O_i / l_i goes into this warp's rows of its Q_i buffer (every wgmma reading them is
+        // done). Once the warpgroup's 64 rows are there, one thread has the TMA store them (rows
+        // past seqlen_q and columns past head_dim clipped) and hands the buffer back when the copy
+        // engine has read it; the others go on to the next tile at once. (Each warp storing its
+        // own rows took 1.7-1.9 us a tile on an H200: benchmarks/NOTES.md, session 32.)
+        normalize_rows<Kt>(params, O, m, l, batch_idx, head_idx, warp_row0, f);
+        stage_rows<Kt, Kt::kBlockM>(sQ, O, warp * Kt::kWarpRows, f);
+        fence_proxy_async();  // each thread's writes, before the TMA reads them
+        named_barrier_sync(1 + warpgroup, 128);
+        if (threadIdx.x % 128 == 0) {
+            const unsigned rows = sQ + Kt::row_bytes(64 * warpgroup);
+#pragma unroll
+            for (int panel = 0; panel < Kt::kPanels; ++panel)
+                tma_store_4d(maps.o, rows + panel * Kt::row_bytes(Kt::kBlockM), panel * kPanelColumns,
+                             m_block * Kt::kBlockM + 64 * warpgroup, head_idx, batch_idx);
+            bulk_commit_group();
+            bulk_wait_group_read<0>();
+            mbarrier_arrive(smem_address(&q_barriers[q_buffer][1]));
+        }
         if (++q_buffer == 2) q_buffer = 0, q_phase ^= 1;
     }
 }

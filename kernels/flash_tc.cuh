@@ -444,6 +444,19 @@ __device__ __forceinline__ void store_fragments(typename NumericTraits<Element>:
         }
 }
 
+// A warp's 16 rows of C (one m16 tile of fragments) times scale, in the element type, written to
+// rows tile_row0.. of a swizzled [kRows][kHeadDim] shared tile of traits Tt (SwizzledTileLayout).
+template <typename Tt, int kRows>
+__device__ __forceinline__ void stage_rows(unsigned s_tile, const float (&C)[1][Tt::kHeadDim / 8][4], int tile_row0,
+                                           const Fragment& f, float scale = 1.f) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int nt = 0; nt < Tt::kHeadDim / 8; ++nt)  // fragment nt: columns 8·nt.. of rows g, g + 8
+            store_shared_4(s_tile + Tt::template tile_offset<kRows>(tile_row0 + f.g + 8 * h, 8 * nt) + 4 * f.t,
+                           Mma<typename Tt::Element>::pack(C[0][nt][2 * h] * scale, C[0][nt][2 * h + 1] * scale));
+}
+
 // A warp's 16 rows of C (one m16 tile of fragments) written in the element type through a
 // swizzled [kRows][kHeadDim] shared tile of traits Tt (SwizzledTileLayout), rows tile_row0.. of
 // it: the fragments go into the tile, then out as 16-byte row chunks, so that each store
@@ -465,12 +478,7 @@ __device__ __forceinline__ void store_rows_staged(typename Tt::Storage* g_tile, 
         store_fragments<typename Tt::Element>(g_tile, row_stride, rows_valid, cols_valid, C, scale, f);
         return;
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int nt = 0; nt < kChunks; ++nt)  // fragment nt: columns 8·nt.. of rows g, g + 8
-            store_shared_4(s_tile + Tt::template tile_offset<kRows>(tile_row0 + f.g + 8 * h, 8 * nt) + 4 * f.t,
-                           Mma<typename Tt::Element>::pack(C[0][nt][2 * h] * scale, C[0][nt][2 * h + 1] * scale));
+    stage_rows<Tt, kRows>(s_tile, C, tile_row0, f, scale);
     __syncwarp();
 #pragma unroll
     for (int i = lane; i < 16 * kChunks; i += 32) {
@@ -481,16 +489,12 @@ __device__ __forceinline__ void store_rows_staged(typename Tt::Storage* g_tile, 
     }
 }
 
-// The forward's epilogue (Algorithm 1, lines 12-13): O_i / l_i written in the element type,
-// lse_i = m_i·ln2 + ln(l_i).
-// kRescale: O_i times out_scale too (dropout's 1 / (1 - p)), as the scalar epilogue.
-// Hopper (Kt::kWgmma): O_i goes out through the Q_i tile sQ (store_rows_staged), which no warp
-// reads any more once every warp has passed the last step's barrier.
+// The epilogue's first part: O_i / l_i (times out_scale with kRescale) in place, and lse_i written.
 template <typename Kt, bool kRescale = false>
-__device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
-                                         const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
-                                         int batch_idx, int head_idx, int warp_row0, const Fragment& f,
-                                         float out_scale = 1.f, unsigned sQ = 0) {
+__device__ __forceinline__ void normalize_rows(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
+                                               const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
+                                               int batch_idx, int head_idx, int warp_row0, const Fragment& f,
+                                               float out_scale = 1.f) {
     float* lse = static_cast<float*>(params.lse) + batch_idx * params.lse_batch_stride +
                  head_idx * params.lse_head_stride;
 #pragma unroll
@@ -512,6 +516,19 @@ __device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[
                                        : neg_inf<float>();
             }
         }
+}
+
+// The forward's epilogue (Algorithm 1, lines 12-13): O_i / l_i written in the element type,
+// lse_i = m_i·ln2 + ln(l_i).
+// kRescale: O_i times out_scale too (dropout's 1 / (1 - p)), as the scalar epilogue.
+// Hopper (Kt::kWgmma): O_i goes out through the Q_i tile sQ (store_rows_staged), which no warp
+// reads any more once every warp has passed the last step's barrier.
+template <typename Kt, bool kRescale = false>
+__device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
+                                         const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
+                                         int batch_idx, int head_idx, int warp_row0, const Fragment& f,
+                                         float out_scale = 1.f, unsigned sQ = 0) {
+    normalize_rows<Kt, kRescale>(params, O, m, l, batch_idx, head_idx, warp_row0, f, out_scale);
     typename Kt::Storage* o = static_cast<typename Kt::Storage*>(params.o) + batch_idx * params.o_batch_stride +
                               head_idx * params.o_head_stride + warp_row0 * params.o_row_stride;
     if constexpr (Kt::kWgmma) {
