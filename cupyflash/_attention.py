@@ -498,7 +498,8 @@ def launch_forward(
     keep_alive = _problem_fields(fields, p, q.device.id)  # noqa: F841 - until the launch is queued
     if isinstance(kernel, _instantiations.WgmmaFwdWsKernel):
         maps = _tma.fwd_ws_tensor_maps(fields, (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group),
-                                       p.dtype_name, p.head_dim, kernel.tile.block_m, kernel.tile.block_n, 64)
+                                       p.dtype_name, p.head_dim, kernel.tile.block_m, kernel.tile.block_n,
+                                       kernel.o_box_rows)
         if maps is not None:
             params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
             n_tiles = numpy.array(kernel.n_tiles(p.batch, p.heads, p.seqlen_q), numpy.int32)

@@ -799,9 +799,10 @@ class WgmmaFwdKernel(_TcKernel):
 # warpgroups, one block per SM walking the query tiles in turn. It serves the unmasked problems
 # (dense or block-sparse) at WS_FORWARD_HEAD_DIMS whose arrays take tensor maps, unless
 # CUPYFLASH_HOPPER_WS=0. On an H200 (benchmarks/ws_ab.py, session 32; kernels alone, bf16, b4 s4096
-# h16) it took 0.94-0.95x the d128 TMA build's time dense and 0.87-0.89x at mask densities 0.1-0.05.
-# At d64 every tile and schedule tried took 1.09-1.18x the TMA build's (three one-warpgroup
-# blocks per SM, whose softmax and products the SM interleaves), so d64 keeps that build.
+# h16) it took 0.92x the d128 TMA build's time dense and 0.80x at mask densities 0.1-0.05. At d64
+# every tile and schedule tried (before its O_i went out by the TMA) took 1.09-1.18x the TMA
+# build's (three one-warpgroup blocks per SM, whose softmax and products the SM interleaves), so
+# d64 keeps that build.
 WS_FORWARD_HEAD_DIMS = (128,)
 WS_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_WS", "1") != "0"
 
@@ -835,6 +836,7 @@ class WgmmaFwdWsKernel(_TcKernel):
     arch = WGMMA_ARCH
     compile_options = (f"--gpu-architecture={WGMMA_ARCH}",)
     tma = True  # its copies are all the TMA's (launch_forward makes its maps)
+    o_box_rows = 64  # O_i is stored by the TMA a consumer warpgroup's rows at a time
 
     def __post_init__(self):
         if self.local or self.score_mod or self.varlen or self.head_dim not in WS_FORWARD_HEAD_DIMS:

@@ -222,8 +222,9 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
     const unsigned sK0 = tiles + Kt::kSmemKBytesOffset;  // K_j [kBlockN][head dim], kStages buffers
     const unsigned sV0 = tiles + Kt::kSmemVBytesOffset;  // V_j likewise
 
-    // full: the buffer's copy has landed (the producer's arrival and its bytes); empty: every
-    // consumer warp is done with it.
+    // full: the buffer's copy has landed (the producer's arrival and its bytes); empty: the
+    // consumers are done with it (K_j, V_j: every consumer warp; Q_i: every consumer warpgroup,
+    // its O_i rows read out of the buffer by the TMA).
     __shared__ alignas(8) unsigned long long q_barriers[2][2], k_barriers[kStages][2], v_barriers[kStages][2];
     __shared__ int q_blocks[2];        // the key blocks of the tile in each Q buffer
     __shared__ int stage_col0[kStages];  // each stage's first key

@@ -143,7 +143,8 @@ struct WgmmaFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_>, S
 // buffers) and for its K_j, V_j (a ring of kStages buffers each). The kConsumers warpgroups after
 // it compute, 64 of the tile's rows each, as WgmmaFwdTraits' warpgroups do (this is that traits'
 // view of the consumers), and hand each buffer back once read. So the next tile's Q_i and first
-// K_j, V_j land while the consumers finish this one. O_i goes out through its own Q_i buffer.
+// K_j, V_j land while the consumers finish this one. O_i is staged in its own Q_i buffer, which
+// the TMA stores from.
 // (FlashAttention-3's ping-pong turns between the consumers and its overlap of the next S_ij with
 // this step's softmax within a warpgroup were both slower here: benchmarks/NOTES.md, session 32.)
 // The shared memory includes a swizzle period's slack to round the tiles' base up to one.

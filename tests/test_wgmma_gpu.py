@@ -305,11 +305,13 @@ def test_warp_specialised_forward(rng, monkeypatch, nan_outputs, hopper, dtype, 
     the TMA build at its tile (128 x 128, two warpgroups, no lazy rescale: the same arithmetic on
     the same tiles). sm_count forces the persistent grid down to 1 or 3 blocks, so that each walks
     many tiles through both Q_i buffers and round the K_j, V_j ring. Block-sparse masks leave a
-    mask row empty (output 0, lse -inf) where there are two."""
+    mask row empty (output 0, lse -inf) where there are two. Q, K and V are strided views."""
     monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", True)
     if sm_count is not None:
         monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count)
     q, k, v = _tma_inputs(rng, dtype, shape)
+    q = _strided_like(rng, q)
+    assert not q.flags.c_contiguous
     mask = None
     if block_sparse:
         dense = rng.random((shape[3], -(-shape[1] // 128), -(-shape[2] // 128))) < 0.6
