@@ -835,7 +835,6 @@ class WgmmaFwdWsKernel(_TcKernel):
     traits_name = "WgmmaFwdWsTraits"
     arch = WGMMA_ARCH
     compile_options = (f"--gpu-architecture={WGMMA_ARCH}",)
-    tma = True  # its copies are all the TMA's (launch_forward makes its maps)
     o_box_rows = 64  # O_i is stored by the TMA a consumer warpgroup's rows at a time
 
     def __post_init__(self):

@@ -88,15 +88,23 @@ def _tensor_map(pointer: int, dtype_name: str, head_dim: int, strides: tuple, di
 
 
 @functools.lru_cache(maxsize=64)
-def _tile_tensor_maps(a: int, a_strides: tuple, b: int, b_strides: tuple, dims: tuple, dtype_name: str,
-                      head_dim: int, box_rows: int) -> numpy.ndarray | None:
-    if not (describable(a, 2, a_strides, dims) and describable(b, 2, b_strides, dims)):
+def _tile_map(pointer: int, strides: tuple, dims: tuple, dtype_name: str, head_dim: int,
+              box_rows: int) -> numpy.ndarray | None:
+    """One 16-bit array's map, boxes of one panel by box_rows rows; None where the driver declines it."""
+    made = _tensor_map(pointer, dtype_name, head_dim, strides, dims, (PANEL_COLUMNS, box_rows))
+    return None if made is None else numpy.frombuffer(made, numpy.uint8).copy()
+
+
+def _tile_maps(fields: dict, arrays: tuple, dtype_name: str, head_dim: int) -> numpy.ndarray | None:
+    """The maps of the 16-bit arrays (name, dims, box rows) of the launch's parameter fields
+    (pointers and element strides), in that order; None where any one cannot be made. The driver is
+    asked only once every array is `describable`."""
+    located = [(fields[name], (fields[f"{name}_batch_stride"], fields[f"{name}_row_stride"],
+                               fields[f"{name}_head_stride"]), dims, rows) for name, dims, rows in arrays]
+    if not all(describable(pointer, 2, strides, dims) for pointer, strides, dims, _ in located):
         return None
-    maps = [_tensor_map(pointer, dtype_name, head_dim, strides, dims, (PANEL_COLUMNS, box_rows))
-            for pointer, strides in ((a, a_strides), (b, b_strides))]
-    if None in maps:
-        return None
-    return numpy.frombuffer(b"".join(maps), numpy.uint8).copy()
+    maps = [_tile_map(pointer, strides, dims, dtype_name, head_dim, rows) for pointer, strides, dims, rows in located]
+    return None if any(m is None for m in maps) else numpy.concatenate(maps)
 
 
 def tile_tensor_maps(fields: dict, names: tuple[str, str], dims: tuple[int, int, int], dtype_name: str,
@@ -104,14 +112,9 @@ def tile_tensor_maps(fields: dict, names: tuple[str, str], dims: tuple[int, int,
     """Two 16-bit arrays' maps (256 bytes), boxes of box_rows rows, from the launch's parameter
     fields (`names`: ("k", "v") for the forward's KvTensorMaps, ("q", "dout") for BwdTensorMaps'
     last two; pointers and element strides) and dims = (batch, seqlen, heads of those arrays); None
-    where TMA cannot describe them (`describable`). Cached on those integers (on every call's
-    path): a map holds no reference to the memory it describes."""
-    a, b = names
-    return _tile_tensor_maps(
-        fields[a], (fields[f"{a}_batch_stride"], fields[f"{a}_row_stride"], fields[f"{a}_head_stride"]),
-        fields[b], (fields[f"{b}_batch_stride"], fields[f"{b}_row_stride"], fields[f"{b}_head_stride"]),
-        dims, dtype_name, head_dim, box_rows,
-    )
+    where TMA cannot describe them (`describable`). Each map is cached on those integers (on every
+    call's path): a map holds no reference to the memory it describes."""
+    return _tile_maps(fields, tuple((name, dims, box_rows) for name in names), dtype_name, head_dim)
 
 
 def kv_tensor_maps(fields: dict, dims: tuple[int, int, int], dtype_name: str, head_dim: int,
@@ -127,21 +130,8 @@ def fwd_ws_tensor_maps(fields: dict, q_dims: tuple[int, int, int], kv_dims: tupl
     fields: Q's with boxes of q_rows queries, q_dims = (batch, seqlen_q, heads); K's and V's as
     `kv_tensor_maps`; O's (q_dims too) with boxes of o_rows queries, through which it stores O.
     None where any of them cannot be made."""
-    kv = kv_tensor_maps(fields, kv_dims, dtype_name, head_dim, kv_rows)
-    if kv is None:
-        return None
-    q, o = (_one_tile_map(fields[x], (fields[f"{x}_batch_stride"], fields[f"{x}_row_stride"], fields[f"{x}_head_stride"]),
-                          q_dims, dtype_name, head_dim, rows) for x, rows in (("q", q_rows), ("o", o_rows)))
-    return None if q is None or o is None else numpy.concatenate([q, kv, o])
-
-
-@functools.lru_cache(maxsize=64)
-def _one_tile_map(a: int, a_strides: tuple, dims: tuple, dtype_name: str, head_dim: int,
-                  box_rows: int) -> numpy.ndarray | None:
-    if not describable(a, 2, a_strides, dims):
-        return None
-    made = _tensor_map(a, dtype_name, head_dim, a_strides, dims, (PANEL_COLUMNS, box_rows))
-    return None if made is None else numpy.frombuffer(made, numpy.uint8).copy()
+    return _tile_maps(fields, (("q", q_dims, q_rows), ("k", kv_dims, kv_rows), ("v", kv_dims, kv_rows),
+                               ("o", q_dims, o_rows)), dtype_name, head_dim)
 
 
 @functools.lru_cache(maxsize=64)

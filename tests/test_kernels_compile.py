@@ -386,7 +386,7 @@ def test_a_tensor_map_the_driver_declines_means_the_cp_async_build(monkeypatch):
 
     u64_4, u64_3, u32_4 = ctypes.c_uint64 * 4, ctypes.c_uint64 * 3, ctypes.c_uint32 * 4
     monkeypatch.setattr(_tma, "_encode_tiled", lambda: (declining, u64_4, u64_3, u32_4))
-    _tma._tile_tensor_maps.cache_clear()
+    _tma._tile_map.cache_clear()
     try:
         fields = {"k": 4096, "v": 8192, "k_batch_stride": 64000, "k_row_stride": 128, "k_head_stride": 64,
                   "v_batch_stride": 64000, "v_row_stride": 128, "v_head_stride": 64}
@@ -395,7 +395,32 @@ def test_a_tensor_map_the_driver_declines_means_the_cp_async_build(monkeypatch):
         assert list(calls[0][4]) == [64, 500, 2, 2] and list(calls[0][5]) == [256, 128, 128000]
         assert list(calls[0][6]) == [64, 128, 1, 1]
     finally:
-        _tma._tile_tensor_maps.cache_clear()
+        _tma._tile_map.cache_clear()
+
+
+def test_the_warp_specialised_forwards_maps(monkeypatch):
+    """FwdWsTensorMaps: Q's (boxes of a query tile), K's and V's (boxes of a key block), O's (boxes
+    of a consumer warpgroup's 64 rows), each over its own strides; none at all where any one cannot
+    be made, so the launch takes the TMA build."""
+    from cupyflash import _tma
+
+    calls = _recording_encoder(monkeypatch)
+    _tma._tile_map.cache_clear()
+    try:
+        fields = {}
+        for i, name in enumerate("qkvo"):  # q: heads interleaved in a wider array; the rest contiguous
+            heads = 4 if name == "q" else 2
+            fields.update({name: 4096 * (i + 1), f"{name}_batch_stride": 500 * heads * 128,
+                           f"{name}_row_stride": heads * 128, f"{name}_head_stride": 128 * heads // 2})
+        maps = _tma.fwd_ws_tensor_maps(fields, (2, 500, 2), (2, 500, 2), "bfloat16", 128, 128, 64, 64)
+        assert maps is not None and maps.nbytes == 4 * _tma.TENSOR_MAP_BYTES == 512
+        assert [c[3] for c in calls] == [4096, 8192, 12288, 16384]  # q, k, v, o: FwdWsTensorMaps' order
+        assert [list(c[6]) for c in calls] == [[64, 128, 1, 1], [64, 64, 1, 1], [64, 64, 1, 1], [64, 64, 1, 1]]
+        assert list(calls[0][5]) == [1024, 512, 512000] and list(calls[3][5]) == [512, 256, 256000]
+        fields["o"] += 2  # off 16-byte alignment: no map for O, hence none
+        assert _tma.fwd_ws_tensor_maps(fields, (2, 500, 2), (2, 500, 2), "bfloat16", 128, 128, 64, 64) is None
+    finally:
+        _tma._tile_map.cache_clear()
 
 
 @pytest.mark.parametrize("head_dim,causal,sparse,mods,deterministic,tma", [
@@ -478,7 +503,7 @@ def test_the_dkdv_kernels_maps(monkeypatch):
 
     calls = _recording_encoder(monkeypatch)
     _tma._dq_tensor_map.cache_clear()
-    _tma._tile_tensor_maps.cache_clear()
+    _tma._tile_map.cache_clear()
     try:
         # q: heads interleaved in a wider array (head stride 2 x 64); dout contiguous.
         fields = {"q": 8192, "q_batch_stride": 500 * 6 * 64, "q_row_stride": 6 * 64, "q_head_stride": 128,
@@ -497,4 +522,4 @@ def test_the_dkdv_kernels_maps(monkeypatch):
         assert _tma.bwd_tensor_maps(fields, 4096, (2, 500, 3), "bfloat16", 64, 128) is None
     finally:
         _tma._dq_tensor_map.cache_clear()
-        _tma._tile_tensor_maps.cache_clear()
+        _tma._tile_map.cache_clear()
