@@ -5,8 +5,9 @@
 Captures the launches one attention_backward (or block_sparse_attention_backward) call makes,
 then times each alone (median of CUDA-event-timed replays, cupyx.profiler.benchmark): the
 preprocess (D_i, lse_i·log2(e), and the dQ workspace cleared: a memset of its own before session
-26), the dK/dV kernel (its TMA build where
-one serves, and its twin without TMA: cp.async copies, atomic dQ adds, the "atomic" column), the
+26), the dK/dV kernel (its TMA build where one serves, warp-specialised at WS_BACKWARD_HEAD_DIMS,
+and its twin without TMA: cp.async copies, atomic dQ adds, one block per key block: the "atomic"
+column), the
 twin with no dQ (dq_accum null: what the dQ products and adds cost), and the dQ conversion; then
 the whole call. Batch x seqlen = 16384 tokens, hidden 2048, bfloat16, as the sparse grid. The mask:
 each block kept with probability --density, or with --pattern the sparse grid's own mask of that
@@ -69,6 +70,8 @@ def main(argv=None):
                                          n_repeat=args.n_repeat, n_warmup=3)
             kernel, dev, grid, params, more = launches[1]
             twin = _instantiations.without_tma(kernel) if getattr(kernel, "tma", False) else kernel
+            if getattr(kernel, "ws", False):  # the twin takes one block per key block
+                grid = twin.grid(b, h, s, s)
             times["atomic"] = benchmark(lambda: real_launch(twin, dev, grid, params, _tma.NO_BWD_MAPS),
                                         n_repeat=args.n_repeat, n_warmup=3)
             no_dq = params.copy()
@@ -84,25 +87,43 @@ def main(argv=None):
     return 0
 
 
-def record_launches(call) -> list:
+class Launches(list):
+    """Recorded launches; `kept`: the arrays the call made (its workspaces, its results), held so
+    that replays write into them and not into whatever the memory pool hands their bytes to next
+    (the warp-specialised dK/dV kernel's claims counter among them: replayed on reused bytes, it read
+    garbage and ran out of bounds)."""
+
+    kept: list
+
+
+def record_launches(call) -> Launches:
     """The kernel launches one call makes, as (kernel, device id, grid, params, more): copies of
     the argument images, to replay through `_attention._launch`. The call itself runs too."""
     import cupy
 
     from cupyflash import _attention
 
-    launches = []
+    launches = Launches()
+    launches.kept = []
     real_launch = _attention._launch
+    real = {name: getattr(cupy, name) for name in ("empty", "zeros")}
 
     def recording(kernel, device_id, grid, params, *more):
         launches.append((kernel, device_id, grid, params.copy(), tuple(m.copy() for m in more)))
         real_launch(kernel, device_id, grid, params, *more)
 
+    def keeping(make):
+        return lambda *args, **kwargs: launches.kept.append(make(*args, **kwargs)) or launches.kept[-1]
+
     _attention._launch = recording
+    for name, make in real.items():
+        setattr(cupy, name, keeping(make))
     try:
-        call()
+        launches.kept.append(call())
     finally:
         _attention._launch = real_launch
+        for name, make in real.items():
+            setattr(cupy, name, make)
     cupy.cuda.Device().synchronize()
     return launches
 

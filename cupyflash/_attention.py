@@ -3,6 +3,7 @@ round trip."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy
@@ -804,21 +805,28 @@ def _backward_gpu(dout, q, k, v, out, lse, p: _validation.AttentionProblem):
 
 
 def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cores=None, wgmma=None,
-                     tma=None) -> tuple:
+                     tma=None, ws=None) -> tuple:
     """The traits table's (dK/dV kernel, deterministic dQ kernel) for the problem on this device:
     the Hopper dK/dV kernel where `_uses_wgmma` allows it and it is switched on
     (`_instantiations.WGMMA_BACKWARD_BY_DEFAULT`), or with wgmma=True; that one's TMA build where
     it has one and the dQ sums are atomic, unless tma=False or CUPYFLASH_HOPPER_TMA=0
-    (`_instantiations.TMA_BACKWARD_BY_DEFAULT`)."""
+    (`_instantiations.TMA_BACKWARD_BY_DEFAULT`); that build's warp-specialised form with ws=True,
+    or by default (ws=None) for block masks up to `_instantiations.WS_BACKWARD_MAX_DENSITY`
+    (`_instantiations.WS_BACKWARD_BY_DEFAULT`, CUPYFLASH_HOPPER_WS_BWD: 1 every problem, 0 none)."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
     if wgmma is None:
         wgmma = tensor_cores and _instantiations.WGMMA_BACKWARD_BY_DEFAULT and _uses_wgmma(p, device_id)
     if tma is None:
         tma = _instantiations.TMA_BACKWARD_BY_DEFAULT
+    if ws is None:
+        ws = _instantiations.WS_BACKWARD_BY_DEFAULT
+    if ws is None:
+        densest = _instantiations.WS_BACKWARD_MAX_DENSITY.get(_instantiations.padded_head_dim(p.head_dim), 0.0)
+        ws = p.block_mask is not None and p.block_mask.density <= densest
     return _instantiations.bwd_kernels(
         p.dtype_name, p.head_dim, p.local, tensor_cores, large_shared_memory(device_id), p.block_mask is not None,
-        p.modified, p.varlen, wgmma, wgmma and tma and not p.deterministic,
+        p.modified, p.varlen, wgmma, wgmma and tma and not p.deterministic, ws,
     )
 
 
@@ -865,9 +873,9 @@ def launch_backward(
             # the launch covers the last block's tiles past seqlen_k, which return at once.
             block_k = p.block_mask.block_size[1]
             seqlen_k = -(-p.seqlen_k // block_k) * block_k
-        grid = kernel.grid(p.batch, p.heads // p.kv_group if kernel.per_kv_head else p.heads, p.seqlen_q, seqlen_k)
-        if grid[0] == 0:  # seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do
-            return
+        heads = p.heads // p.kv_group if kernel.per_kv_head else p.heads
+        if kernel.grid(p.batch, heads, p.seqlen_q, seqlen_k)[0] == 0:  # seqlen_q == 0 or seqlen_k == 0
+            return  # leaves some kernels nothing to do
         more = ()  # flash_bwd_tc.cu's dK/dV kernels also take the TMA builds' tensor maps (BwdTensorMaps)
         if isinstance(kernel, _instantiations.TcBwdDkdvKernel):
             maps = None
@@ -878,7 +886,21 @@ def launch_backward(
                 if maps is None:
                     kernel = _instantiations.without_tma(kernel)
             more = (_tma.NO_BWD_MAPS if maps is None else maps,)
-        _launch(kernel, device_id, grid, params, *more)
+            kv_maps = None
+            if getattr(kernel, "ws", False):  # K's and V's maps, or the one-block TMA build
+                kv_maps = _tma.kv_tensor_maps(fields, (p.batch, p.seqlen_k, heads), p.dtype_name, p.head_dim,
+                                              kernel.tile.block_n)
+                if kv_maps is None:
+                    kernel = dataclasses.replace(kernel, ws=False)
+            if kv_maps is not None:  # and the key tiles per (K/V head, batch), all of them, and a counter
+                positions = kernel.positions(seqlen_k)
+                claims = cupy.zeros(1, numpy.int32)  # (freed to the stream-ordered pool after the launch)
+                more += (kv_maps, numpy.array(positions, numpy.int32), numpy.array(positions * heads * p.batch, numpy.int32),
+                         numpy.array(claims.data.ptr, numpy.uint64))
+                grid = kernel.grid(p.batch, heads, p.seqlen_q, seqlen_k, sm_count=_sm_count(device_id))
+                _launch(kernel, device_id, grid, params, *more)
+                return
+        _launch(kernel, device_id, kernel.grid(p.batch, heads, p.seqlen_q, seqlen_k), params, *more)
 
     dkdv_kernel, dq_kernel = kernels or backward_kernels(p, device_id, tensor_cores, wgmma)
     launch(_instantiations.bwd_row_kernel("preprocess", p.dtype_name, p.seqlen_q))

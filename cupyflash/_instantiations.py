@@ -183,7 +183,9 @@ def fwd_kernel(
 @functools.cache
 def without_tma(kernel):
     """A TMA build's twin without TMA (WgmmaFwdKernel: cp.async copies; WgmmaBwdDkdvKernel: cp.async
-    copies and atomic dQ adds): the same instantiation otherwise."""
+    copies and atomic dQ adds, one block per key block): the same instantiation otherwise."""
+    if getattr(kernel, "ws", False):
+        return dataclasses.replace(kernel, tma=False, ws=False)
     return dataclasses.replace(kernel, tma=False)
 
 
@@ -417,7 +419,7 @@ def bwd_row_kernel(step: str, dtype_name: str, seqlen_q: int) -> BwdRowKernel:
 def bwd_kernels(
     dtype_name: str, head_dim: int, local: bool, tensor_cores: bool = False, large_smem: bool = False,
     block_sparse: bool = False, score_mod: bool = False, varlen: bool = False, wgmma: bool = False,
-    tma: bool = False,
+    tma: bool = False, ws: bool = False,
 ):
     """(dK/dV kernel, deterministic dQ kernel) for a problem; with tensor_cores (16-bit dtypes
     only) the flash_bwd_tc.cu pair, which shares flash_bwd.cu's row kernels, its dK/dV tile for
@@ -425,15 +427,17 @@ def bwd_kernels(
     dK/dV kernel (head dims padded to WGMMA_HEAD_DIMS) beside the mma.sync dQ kernel, and with
     tma its TMA build where one exists (no score modifiers, not varlen): the launch falls back to
     the build without TMA where the dQ workspace, Q or dO has no tensor map, and in deterministic mode;
-    block_sparse, score_mod and varlen as `fwd_kernel`."""
+    with ws too, that build's warp-specialised form at WS_BACKWARD_HEAD_DIMS; block_sparse,
+    score_mod and varlen as `fwd_kernel`."""
     _check_tensor_core_dtype(dtype_name, tensor_cores or wgmma)
     d = padded_head_dim(head_dim)
     if wgmma and d not in WGMMA_HEAD_DIMS:
         raise ValueError(f"the Hopper backward kernel takes head dims padded to {WGMMA_HEAD_DIMS}, not {head_dim}")
     local, sparse, mod, var = _variant_flags(local, block_sparse, score_mod, varlen)
     if wgmma:
+        tma = tma and not (mod or var)
         return (WgmmaBwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var,
-                                   tma=tma and not (mod or var)),
+                                   tma=tma, ws=tma and ws and d in WS_BACKWARD_HEAD_DIMS),
                 TcBwdDqKernel(dtype_name, d, local, block_sparse=sparse, score_mod=mod, varlen=var))
     if tensor_cores and var and d == 224:
         d = 256  # see tc_dkdv_tile_shape
@@ -727,6 +731,19 @@ TMA_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_TMA", "1") != "0"
 # float32 workspace, by the TMA instead of every thread's cp.async copies and atomics): every
 # variant without score modifiers, at both Hopper head dims; the same switch turns them off.
 TMA_BACKWARD_BY_DEFAULT = TMA_FORWARD_BY_DEFAULT
+# Their warp-specialised, persistent form (flash_bwd_dkdv_ws_kernel: a block per SM claims key
+# blocks in turn; a producer warp asks for each one's tiles while the consumers compute and write
+# out the last), at these padded head dims. It serves block-sparse problems up to the mask density
+# below (WS_BACKWARD_MAX_DENSITY; CUPYFLASH_HOPPER_WS_BWD=1: every problem a TMA build serves, 0:
+# none). Against the one-block TMA build, whole backward calls on an H200 (bf16, 16384 tokens,
+# the sparse grid's masks; benchmarks/NOTES.md, session 33), first form of its step: d128
+# block-sparse 0.90-0.99 of its time at every density, d64 0.78-0.99 at density 0.1 and below,
+# 0.98-1.01 at 0.25, 1.02-1.05 at 0.5; final form, random masks: d64 0.88-0.98 at 0.1, 0.96-0.99
+# at 0.25, d128 0.90-0.95 and 0.93-0.94; unmasked d64 1.03, d128 0.98-0.99 (unmasked problems keep
+# the one-block build until a whole GPU suite has run them through this one).
+WS_BACKWARD_HEAD_DIMS = (64, 128)
+WS_BACKWARD_MAX_DENSITY = {64: 0.3, 128: 1.0}
+WS_BACKWARD_BY_DEFAULT = {"0": False, "1": True}.get(os.environ.get("CUPYFLASH_HOPPER_WS_BWD", ""))
 
 # Tiles timed by benchmarks/tune_tc.py --forward-only on an H100 (b2 s8192, both dtypes, causal and
 # not; benchmarks/NOTES.md, session 16). d64: one warpgroup of 64 rows, three blocks per SM, whose
@@ -890,9 +907,12 @@ class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
     """kernels/flash_bwd_tc.cu's flash_bwd_dkdv_tc_kernel with the Hopper traits (wgmma products;
     sm_90a): one block per key block. tma: the kTma build (no score modifiers, not varlen), which
     loads Q_i, dO_i and adds dQ through the TMA, taking the tensor maps of Q, dO and the dQ
-    workspace."""
+    workspace. ws (with tma): flash_bwd_dkdv_ws_kernel, the same steps in at most one block per
+    SM, each claiming key blocks in turn, with a producer warpgroup besides; it takes K's and V's
+    maps (KvTensorMaps), the number of key-tile positions and items, and a zeroed int32 counter."""
 
     tma: bool = False
+    ws: bool = False
 
     traits_name = "WgmmaBwdDkdvTraits"
     arch = WGMMA_ARCH
@@ -901,6 +921,29 @@ class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
     def __post_init__(self):
         if self.tma and (self.score_mod or self.varlen):
             raise ValueError(f"the Hopper dK/dV kernel's TMA builds have no score modifiers; not {self}")
+        if self.ws and not (self.tma and self.head_dim in WS_BACKWARD_HEAD_DIMS):
+            raise ValueError(f"the warp-specialised dK/dV kernel is a TMA build at head dims {WS_BACKWARD_HEAD_DIMS}; "
+                             f"not {self}")
+
+    @functools.cached_property
+    def name_expression(self) -> str:
+        if not self.ws:
+            return super().name_expression
+        flags = ", ".join(str(flag).lower() for flag in (self.local, self.block_sparse))
+        return f"cupyflash::flash_bwd_dkdv_ws_kernel<{self.traits}, {flags}>"
+
+    @functools.cached_property
+    def num_threads(self) -> int:
+        return 32 * self.tile.num_warps + (128 if self.ws else 0)  # ws: the producer warpgroup
+
+    def positions(self, seqlen_k: int) -> int:
+        """Key tiles per (K/V head, batch) for a seqlen_k (block-sparse: rounded up to mask blocks)."""
+        return math.ceil(seqlen_k / self.tile.block_n)
+
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, sm_count: int = 132) -> tuple[int, int, int]:
+        if not self.ws:
+            return super().grid(batch, heads, seqlen_q, seqlen_k)
+        return (min(self.positions(seqlen_k) * heads * batch, sm_count), 1, 1)  # (0: nothing to launch)
 
     def host_checks(self) -> str:
         if not self.tma:
@@ -948,11 +991,12 @@ def all_wgmma_kernels() -> list:
         for d in WS_FORWARD_HEAD_DIMS
         for sparse in (False, True)
     ] + [
-        WgmmaBwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, tma=True)
+        WgmmaBwdDkdvKernel(dtype_name, d, local, block_sparse=sparse, tma=True, ws=ws)
         for dtype_name in TENSOR_CORE_DTYPES
         for d in WGMMA_HEAD_DIMS
         for local in (False, True)
         for sparse in (False, True)
+        for ws in ((False, True) if d in WS_BACKWARD_HEAD_DIMS else (False,))
     ]
 
 

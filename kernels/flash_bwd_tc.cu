@@ -550,6 +550,341 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     }
 }
 
+// The query block a key block's walk starts at, the walk wrapping round: its launch position's, as
+// flash_bwd_dkdv_tc_kernel's (dense: its key block's index), so that the blocks in flight add into
+// different rows of dQ at a time (atomics on the same addresses serialise in L2).
+template <bool kIsBlockSparse>
+__device__ __forceinline__ int first_query_tile(const TileSequence<kIsBlockSparse>& query_blocks, int position) {
+    const int m_blocks = query_blocks.end - query_blocks.begin;
+    return m_blocks > 0 ? query_blocks.begin + position % m_blocks : 0;
+}
+
+// The dK/dV kernels' shared memory (Bt's layout from its tiles' base).
+struct DkdvTiles {
+    unsigned sK;    // K_j [kBlockN][kStride] (Hopper: swizzled panels)
+    unsigned sV;    // V_j [kBlockN][kStride]
+    unsigned sQ;    // Q_i [2][kBlockM][kStride]
+    unsigned sdO;   // dO_i [kDoBuffers][kBlockM][kStride]
+    unsigned sPt;   // P_ij^T [kBlockN][kPStride] (Hopper: none)
+    unsigned sdSt;  // dS_ij^T [kBlockN][kPStride]
+    unsigned sDq;   // kTma: dQ_i's shares, [2 stages][kWarpgroups][kDqShareBytes]
+    float* sLse2;   // lse_i·log2(e) [2][kBlockM]
+    float* sD;      // D_i [2][kBlockM]
+};
+
+template <typename Bt, bool kTma>
+__device__ __forceinline__ DkdvTiles dkdv_tiles(unsigned char* smem) {
+    // (The tiles' base: the block's shared memory, or on Hopper the first swizzle period in it.)
+    const unsigned tiles = Bt::tile_base(smem_address(smem));
+    unsigned char* const smem_tiles = smem + (tiles - smem_address(smem));
+    DkdvTiles s;
+    s.sK = tiles + Bt::kSmemKOffset * 2;
+    s.sV = tiles + Bt::kSmemVOffset * 2;
+    s.sQ = tiles + Bt::kSmemQOffset * 2;
+    s.sdO = tiles + Bt::kSmemDoOffset * 2;
+    s.sPt = tiles + Bt::kSmemPOffset * 2;
+    s.sdSt = tiles + Bt::kSmemDsOffset * 2;
+    s.sDq = 0;
+    if constexpr (kTma) s.sDq = tiles + Bt::kDqStageOffset;
+    s.sLse2 = reinterpret_cast<float*>(smem_tiles + Bt::kSmemRowStatsOffset);
+    s.sD = s.sLse2 + 2 * Bt::kBlockM;
+    return s;
+}
+
+// One step of the warp-specialised kernel's consumers: flash_bwd_dkdv_tc_kernel's step as its Hopper
+// TMA builds take it (64 keys per warpgroup, a warp's 16 keys against every query, no score
+// modifiers), for key block K_j, V_j (from key0) and query block Q_i, dO_i (from q_row0, in buffer
+// buf, landed): dV_j += P^T dO_i, dK_j += dS^T Q_i, dQ_i's shares added by the TMA. It returns with
+// every product that reads Q_i, dO_i or dS^T done. (Moved into one function that both kernels
+// called, the step spilled 8-32 bytes in the one-block kernel's mma.sync builds at head dim 256,
+// sm_90a; so that kernel keeps its own text of it: benchmarks/NOTES.md, session 33.)
+template <typename Bt, bool kIsLocal>
+__device__ __forceinline__ void dkdv_consumer_step(const BwdParams& params, const BwdTensorMaps& maps,
+                                                   const DkdvTiles& s, int key0, int keys_valid, int q_row0,
+                                                   int head_idx, int q_batch, int buf,
+                                                   float (&dK)[1][Bt::kOutTiles][4], float (&dV)[1][Bt::kOutTiles][4],
+                                                   int& dq_stage, int barrier) {
+    using Op = typename Bt::Op;
+    static_assert(Bt::kWgmma && Bt::kWarpsQ == 1 && Bt::kMTiles == 1, "the Hopper builds' warps");
+    constexpr bool kDpWithS = Bt::kBlockM == 64;  // (as flash_bwd_dkdv_tc_kernel's)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const Fragment f(lane);
+    const int warp_keys = warp * Bt::kWarpKeys;
+    const float scale_log2 = static_cast<float>(params.scale_log2);
+    const unsigned sQ_i = s.sQ + buf * Bt::kQueryTileBytes, sdO_i = s.sdO + buf * Bt::kQueryTileBytes;
+    const float* sLse2_i = s.sLse2 + buf * Bt::kBlockM;
+    const float* sD_i = s.sD + buf * Bt::kBlockM;
+
+    // S_ij^T = K_j Q_i^T (with kDpWithS dP_ij^T = V_j dO_i^T issued with it), masked, then
+    // P_ij^T = exp2(S^T·scale·log2(e) - lse_i·log2(e)).
+    float St[1][Bt::kNTiles][4], dPt[1][Bt::kNTiles][4];
+    const unsigned group_rows = Bt::row_bytes(64 * (warp / 4));
+    wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN, false>(St[0], s.sK + group_rows, sQ_i);
+    if constexpr (kDpWithS) wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN, false>(dPt[0], s.sV + group_rows, sdO_i);
+    wgmma_wait<kDpWithS ? 1 : 0>();
+    fence_operands(St[0]);
+    if (keys_valid < Bt::kBlockN ||
+        (kIsLocal && band_cuts(params, q_row0, min(Bt::kBlockM, params.seqlen_q - q_row0), key0, keys_valid)))
+        mask_fragments<kIsLocal, true>(St, key0 + warp_keys, q_row0, params, f);
+#pragma unroll
+    for (int nt = 0; nt < Bt::kNTiles; ++nt) {
+        const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + f.col(nt, 0));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            St[0][nt][2 * h] = exp2f(fmaf(St[0][nt][2 * h], scale_log2, -lse2.x));
+            St[0][nt][2 * h + 1] = exp2f(fmaf(St[0][nt][2 * h + 1], scale_log2, -lse2.y));
+        }
+    }
+    // dV_j += P^T dO_i (left running), then dS_ij^T = P^T ∘ (dP^T - D_i) in place.
+    unsigned Pt[1][Bt::kNTiles / 2][4];
+    to_a_fragments<Op>(St, Pt);
+    wgmma_ab_rs<Bt, Bt::kBlockM, false>(dV[0], Pt[0], sdO_i);
+    if constexpr (kDpWithS)
+        wgmma_wait<1>();
+    else
+        wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN>(dPt[0], s.sV + group_rows, sdO_i);
+    fence_operands(dPt[0]);
+#pragma unroll
+    for (int nt = 0; nt < Bt::kNTiles; ++nt) {
+        const float2 d_i = *reinterpret_cast<const float2*>(sD_i + f.col(nt, 0));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float2 p = Op::unpack(Pt[0][nt / 2][(nt % 2) * 2 + h]);
+            dPt[0][nt][2 * h] = p.x * (dPt[0][nt][2 * h] - d_i.x);
+            dPt[0][nt][2 * h + 1] = p.y * (dPt[0][nt][2 * h + 1] - d_i.y);
+        }
+    }
+    // dK_j += dS^T Q_i (left running); dS^T to shared memory, and once every consumer warp's is
+    // there, dQ_i += dS_ij K_j.
+    unsigned dSt[1][Bt::kNTiles / 2][4];
+    to_a_fragments<Op>(dPt, dSt);
+    store_a_fragments_swizzled<Bt, Bt::kBlockN>(s.sdSt, dSt[0], warp_keys, f);
+    wgmma_ab_rs<Bt, Bt::kBlockM, false>(dK[0], dSt[0], sQ_i);
+    named_barrier_sync(barrier, Bt::kNThreads);
+    add_dq_share<Bt, false, true>(params, maps.dq, s.sDq + dq_stage * Bt::kWarpgroups * Bt::kDqShareBytes, s.sdSt,
+                                  s.sK, q_row0, 0, q_batch, head_idx, warp, lane);
+    dq_stage ^= 1;
+    wgmma_wait<0>();
+    fence_operands(dV[0]);
+    fence_operands(dK[0]);
+    fence_operands(dSt[0]);
+}
+
+// The Hopper TMA builds' warp-specialised, persistent form (WgmmaBwdDkdvTraits; no score modifiers,
+// not varlen), FlashAttention-3's structure: Bt::kNThreads consumer threads (threads 0.., the
+// one-block kernel's warps, with its steps) and a producer warpgroup after them, of which one warp
+// works. Grid: (at most one block per SM). Work items are flash_bwd_dkdv_tc_kernel's blocks in its
+// launch order: `positions` key tiles (block-sparse: in key_block_order) fastest, then K/V heads,
+// then batch; `items` in all. Block b takes item b first, then the next unclaimed one
+// (`next_item`: zero at launch and at exit, it counts the claims).
+//   producer: claims and decodes items, walks each item's query blocks (every head of its K/V
+//     head's group, each from its launch position's query block, as the one-block kernel), asks
+//     the TMA for K_j, V_j into their one buffer once the consumers are done with the last item's
+//     (`kv` barriers), and for Q_i, dO_i into the free one of two buffers, whose row statistics its
+//     lanes load (`q` barriers); it passes each item's indices and each buffer's query block in
+//     shared memory, written before the arrival that completes the phase the consumers wait for.
+//   consumers: per step, wait for the buffer, run dkdv_consumer_step, hand the buffer back; after
+//     an item's last step hand K_j, V_j back, then write dK_j, dV_j out through the dQ stages
+//     while the next item's tiles land.
+// A key block's loads no longer wait behind its own launch and the last one's stores, and its
+// index loads stall only the producer.
+template <typename Bt, bool kIsLocal, bool kIsBlockSparse>
+__global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
+    flash_bwd_dkdv_ws_kernel(const BwdParams params, const __grid_constant__ BwdTensorMaps maps,
+                             const __grid_constant__ KvTensorMaps kv_maps, const int positions, const int items,
+                             int* const next_item) {
+    static_assert(Bt::kWgmma && Bt::kOutSplit == 1 && Bt::kNThreads == 256, "the Hopper TMA builds' two warpgroups");
+    static_assert(Bt::kBlockM % 32 == 0, "the producer's lanes load the row statistics");
+    using Storage = typename Bt::Storage;
+    static_assert(2 * Bt::kBlockN * Bt::kHeadDim * 2 <= 2 * Bt::kWarpgroups * Bt::kDqShareBytes,
+                  "dK_j and dV_j are staged in the dQ stages");
+    constexpr int kConsumerWarps = Bt::kNThreads / 32;
+    constexpr int kConsumerBarrier = 3;  // (1 and 2: add_dq_shares_wgmma's, one per warpgroup)
+    // setmaxnreg's split of the 168 registers a thread has at launch: the consumers' share is what
+    // their steps need without spilling, at d128 outside the local builds 232 (224 spilled 36 bytes),
+    // and the producer keeps the rest (at 40 the block-sparse d64 builds spilled 60-68 bytes).
+    constexpr int kConsumerRegs = Bt::kHeadDim == 128 && !kIsLocal ? 232 : 224;
+    constexpr int kProducerRegs = 3 * 168 - 2 * kConsumerRegs;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const DkdvTiles s = dkdv_tiles<Bt, true>(smem);
+    // kv: K_j, V_j landed (the producer's arrival and the bytes) / read (one arrival per consumer
+    // warp); q[b]: Q_i, dO_i and row statistics in buffer b, likewise (the producer arrives twice:
+    // with the tiles' bytes, then once its lanes have stored the statistics).
+    __shared__ alignas(8) unsigned long long kv_barriers[2], q_barriers[2][2];
+    // Two items' indices, alternately (a slot is rewritten once the consumers are done with the
+    // next item's steps, and so with this one's stores): first key (-1: no more items), K/V head,
+    // batch index, steps. And each Q_i buffer's first query and head.
+    enum { kKey0, kKvHead, kBatch, kSteps, kItemFields };
+    __shared__ int item_of[2][kItemFields], query_of[2][2];
+    if (threadIdx.x == 0) {
+        mbarrier_init(smem_address(&kv_barriers[0]), 1);
+        mbarrier_init(smem_address(&kv_barriers[1]), kConsumerWarps);
+        for (int b = 0; b < 2; ++b) {
+            mbarrier_init(smem_address(&q_barriers[b][0]), 2);
+            mbarrier_init(smem_address(&q_barriers[b][1]), kConsumerWarps);
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();  // the last block-wide barrier: the roles part here
+
+    if (threadIdx.x >= Bt::kNThreads) {
+        setmaxnreg_dec<kProducerRegs>();
+        if (threadIdx.x >= Bt::kNThreads + 32) return;
+        const int lane = threadIdx.x % 32;
+        const int kv_heads = params.heads / params.kv_group;
+        // The empty barriers' phases start "completed" for the producer: it waits on the parity
+        // before the current one (phase ^ 1), which a fresh mbarrier reports as done.
+        unsigned kv_phase = 0, q_phase = 0;
+        int q_buffer = 0, slot = 0;
+        for (int item = blockIdx.x;;) {
+            const bool last = item >= items;  // (no more items: the consumers are told to leave)
+            const int position = last ? 0 : item % positions, kv_head = last ? 0 : item / positions % kv_heads;
+            const int batch_idx = last ? 0 : item / positions / kv_heads;
+            const int first_head = kv_head * params.kv_group;
+            const int key0 = last ? -1
+                                  : key_tile<Bt::kBlockN, kIsBlockSparse>(params, batch_idx, first_head, position) *
+                                        Bt::kBlockN;
+            if (key0 < params.seqlen_k) {  // (the launch's rounding up to whole mask blocks: nothing)
+                const int keys_valid = min(Bt::kBlockN, params.seqlen_k - key0);
+                int steps = 0;
+                for (int head_idx = first_head; key0 >= 0 && head_idx < first_head + params.kv_group; ++head_idx) {
+                    const auto query_blocks = query_tiles<Bt::kBlockM, kIsLocal, kIsBlockSparse>(
+                        params, batch_idx, head_idx, key0, keys_valid);
+                    steps += query_blocks.end - query_blocks.begin;
+                }
+                mbarrier_wait(smem_address(&kv_barriers[1]), kv_phase ^ 1);
+                if (lane == 0) {
+                    item_of[slot][kKey0] = key0;
+                    item_of[slot][kKvHead] = kv_head;
+                    item_of[slot][kBatch] = batch_idx;
+                    item_of[slot][kSteps] = steps;
+                    const unsigned kv_full = smem_address(&kv_barriers[0]);
+                    if (key0 < 0) {
+                        mbarrier_arrive(kv_full);  // no more items: the consumers leave
+                    } else {
+                        mbarrier_arrive_expect_tx(kv_full, 2 * Bt::row_bytes(Bt::kBlockN) * Bt::kPanels);
+#pragma unroll
+                        for (int panel = 0; panel < Bt::kPanels; ++panel) {
+                            const unsigned offset = panel * Bt::row_bytes(Bt::kBlockN);
+                            tma_load_4d(s.sK + offset, kv_maps.k, kv_full, panel * kPanelColumns, key0, kv_head,
+                                        batch_idx);
+                            tma_load_4d(s.sV + offset, kv_maps.v, kv_full, panel * kPanelColumns, key0, kv_head,
+                                        batch_idx);
+                        }
+                    }
+                }
+                kv_phase ^= 1;
+                slot ^= 1;
+                if (key0 < 0) return;
+                for (int head_idx = first_head; head_idx < first_head + params.kv_group; ++head_idx) {
+                    const auto query_blocks = query_tiles<Bt::kBlockM, kIsLocal, kIsBlockSparse>(
+                        params, batch_idx, head_idx, key0, keys_valid);
+                    const int m_blocks = query_blocks.end - query_blocks.begin;
+                    for (int step = 0, t = first_query_tile(query_blocks, position); step < m_blocks; ++step) {
+                        const int q_row0 = query_blocks[t] * Bt::kBlockM;
+                        t = t + 1 < query_blocks.end ? t + 1 : query_blocks.begin;
+                        mbarrier_wait(smem_address(&q_barriers[q_buffer][1]), q_phase ^ 1);
+                        // Q_i, dO_i first, then their statistics: two arrivals complete the phase.
+                        const unsigned q_full = smem_address(&q_barriers[q_buffer][0]);
+                        if (lane == 0) {
+                            mbarrier_arrive_expect_tx(q_full, 2 * Bt::kQueryTileBytes);
+#pragma unroll
+                            for (int panel = 0; panel < Bt::kPanels; ++panel) {
+                                const unsigned offset =
+                                    q_buffer * Bt::kQueryTileBytes + panel * Bt::row_bytes(Bt::kBlockM);
+                                tma_load_4d(s.sQ + offset, maps.q, q_full, panel * kPanelColumns, q_row0, head_idx,
+                                            batch_idx);
+                                tma_load_4d(s.sdO + offset, maps.dout, q_full, panel * kPanelColumns, q_row0, head_idx,
+                                            batch_idx);
+                            }
+                        }
+                        // Rows past seqlen_q get lse = +inf, so their P_ij are exactly 0. Every load
+                        // is asked for before the first store: one round trip to L2 a step, not one
+                        // per 32 rows.
+                        const int rows_valid = min(Bt::kBlockM, params.seqlen_q - q_row0);
+                        const long long row_stats = row_vector_offset(params, batch_idx, head_idx) + q_row0;
+                        constexpr int kRowsPerLane = Bt::kBlockM / 32;
+                        float lse2[kRowsPerLane], d[kRowsPerLane];
+#pragma unroll
+                        for (int r = 0; r < kRowsPerLane; ++r) {
+                            const int i = lane + 32 * r;
+                            lse2[r] = i < rows_valid ? static_cast<const float*>(params.lse_log2)[row_stats + i]
+                                                     : pos_inf<float>();
+                            d[r] = i < rows_valid ? static_cast<const float*>(params.d)[row_stats + i] : 0.f;
+                        }
+#pragma unroll
+                        for (int r = 0; r < kRowsPerLane; ++r) {
+                            s.sLse2[q_buffer * Bt::kBlockM + lane + 32 * r] = lse2[r];
+                            s.sD[q_buffer * Bt::kBlockM + lane + 32 * r] = d[r];
+                        }
+                        __syncwarp();  // the lanes' statistics, before lane 0's arrival releases them
+                        if (lane == 0) {
+                            query_of[q_buffer][0] = q_row0;
+                            query_of[q_buffer][1] = head_idx;
+                            mbarrier_arrive(q_full);
+                        }
+                        if (++q_buffer == 2) q_buffer = 0, q_phase ^= 1;
+                    }
+                }
+            }
+            // The next item: every item makes one claim, and the launch's last sets the counter back
+            // to zero, so that a launch replayed (a CUDA graph, a benchmark) starts as a fresh one does.
+            int claims = 0;
+            if (lane == 0 && item < items) {
+                claims = atomicAdd(next_item, 1);
+                if (claims == items - 1) *next_item = 0;
+            }
+            item = item < items ? gridDim.x + __shfl_sync(0xffffffffu, claims, 0) : item;
+        }
+    }
+
+    setmaxnreg_inc<kConsumerRegs>();
+    unsigned kv_phase = 0, q_phase = 0;
+    int q_buffer = 0, slot = 0, dq_stage = 0;
+    for (;;) {
+        mbarrier_wait(smem_address(&kv_barriers[0]), kv_phase);
+        kv_phase ^= 1;
+        const int* const item = item_of[slot];
+        slot ^= 1;
+        const int key0 = item[kKey0];
+        if (key0 < 0) break;
+        float dV[Bt::kMTiles][Bt::kOutTiles][4], dK[Bt::kMTiles][Bt::kOutTiles][4];
+        zero(dV);
+        zero(dK);
+        const int steps = item[kSteps];
+        for (int step = 0; step < steps; ++step) {
+            mbarrier_wait(smem_address(&q_barriers[q_buffer][0]), q_phase);
+            // Every consumer warp is done with the last step's dS^T and dQ stage.
+            named_barrier_sync(kConsumerBarrier, Bt::kNThreads);
+            dkdv_consumer_step<Bt, kIsLocal>(params, maps, s, key0, min(Bt::kBlockN, params.seqlen_k - key0),
+                                             query_of[q_buffer][0], query_of[q_buffer][1], item[kBatch], q_buffer,
+                                             dK, dV, dq_stage, kConsumerBarrier);
+            __syncwarp();
+            if (threadIdx.x % 32 == 0) mbarrier_arrive(smem_address(&q_barriers[q_buffer][1]));
+            if (++q_buffer == 2) q_buffer = 0, q_phase ^= 1;
+        }
+        // The item's products are done with K_j, V_j; the dQ stages are free once the TMA has read them.
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) mbarrier_arrive(smem_address(&kv_barriers[1]));
+        if (threadIdx.x % 128 == 0) bulk_wait_group_read<0>();
+        named_barrier_sync(kConsumerBarrier, Bt::kNThreads);
+        // dK_j and dV_j go out through the dQ stages as whole row chunks, as the one-block kernel's
+        // through K_j and V_j.
+        const int warp_key0 = key0 + threadIdx.x / 32 * Bt::kWarpKeys;
+        Storage* dk = static_cast<Storage*>(params.dk) + item[kBatch] * params.dk_batch_stride +
+                      item[kKvHead] * params.dk_head_stride + warp_key0 * params.dk_row_stride;
+        Storage* dv = static_cast<Storage*>(params.dv) + item[kBatch] * params.dv_batch_stride +
+                      item[kKvHead] * params.dv_head_stride + warp_key0 * params.dv_row_stride;
+        const Fragment f(threadIdx.x % 32);
+        store_rows_staged<Bt, Bt::kBlockN>(dk, params.dk_row_stride, params.seqlen_k - warp_key0, params.head_dim, dK,
+                                           s.sDq, warp_key0 - key0, f, threadIdx.x % 32,
+                                           static_cast<float>(params.scale));
+        store_rows_staged<Bt, Bt::kBlockN>(dv, params.dv_row_stride, params.seqlen_k - warp_key0, params.head_dim, dV,
+                                           s.sDq + Bt::kBlockN * Bt::kHeadDim * 2, warp_key0 - key0, f,
+                                           threadIdx.x % 32);
+    }
+}
+
 // Grid: (ceil(seqlen_q / kBlockM) · kOutSplit, heads, batch). Block: Dt::kNThreads.
 // Shared memory: Dt::kSmemBytes.
 template <typename Dt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false>

@@ -423,6 +423,16 @@ def test_the_warp_specialised_forwards_maps(monkeypatch):
         _tma._tile_map.cache_clear()
 
 
+def _on_an_h100_with_the_hopper_backward(monkeypatch):
+    """Dispatch as on an H100 (sm_90, its shared memory), the Hopper dK/dV kernel and its TMA builds on."""
+    from cupyflash import _attention
+
+    monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: 90)
+    monkeypatch.setattr(_attention, "large_shared_memory", lambda device_id: True)
+    monkeypatch.setattr(_instantiations, "WGMMA_BACKWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(_instantiations, "TMA_BACKWARD_BY_DEFAULT", True)
+
+
 @pytest.mark.parametrize("head_dim,causal,sparse,mods,deterministic,tma", [
     (64, False, False, {}, False, True), (40, True, True, {}, False, True), (128, True, False, {}, False, True),
     (112, False, True, {}, False, True), (64, False, False, {}, True, False),
@@ -434,10 +444,8 @@ def test_the_hopper_dkdv_kernel_takes_its_tma_builds_where_they_exist(monkeypatc
     tma=False and CUPYFLASH_HOPPER_TMA=0 (TMA_BACKWARD_BY_DEFAULT) take the atomic build, its twin."""
     from cupyflash import _attention, _validation
 
-    monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: 90)
-    monkeypatch.setattr(_attention, "large_shared_memory", lambda device_id: True)
-    monkeypatch.setattr(_instantiations, "WGMMA_BACKWARD_BY_DEFAULT", True)
-    monkeypatch.setattr(_instantiations, "TMA_BACKWARD_BY_DEFAULT", True)
+    _on_an_h100_with_the_hopper_backward(monkeypatch)
+    monkeypatch.setattr(_instantiations, "WS_BACKWARD_BY_DEFAULT", False)  # (the test below)
     q = numpy.zeros((1, 300, 2, head_dim), _validation.BFLOAT16)
     p = _validation.check_attention_args(q, q, q, causal=causal, scale=None, return_lse=True, **mods)
     p = dataclasses.replace(p, deterministic=deterministic)
@@ -457,6 +465,63 @@ def test_the_hopper_dkdv_kernel_takes_its_tma_builds_where_they_exist(monkeypatc
         assert _attention.backward_kernels(p, 0)[0] == twin
     with pytest.raises(ValueError, match="TMA builds"):
         _instantiations.WgmmaBwdDkdvKernel("bfloat16", 64, True, score_mod=True, tma=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40, 128, 112])
+@pytest.mark.parametrize("causal,sparse", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_warp_specialised_dkdv_kernel_serves_tma_problems(monkeypatch, head_dim, causal, sparse):
+    """At WS_BACKWARD_HEAD_DIMS the TMA build's warp-specialised form serves by default; ws=False
+    or CUPYFLASH_HOPPER_WS_BWD=0 (WS_BACKWARD_BY_DEFAULT) take the one-block TMA build, and where a
+    tensor map of dQ, Q or dO is missing the build without TMA (one block per key block) serves.
+    Its grid: one block per key tile x K/V head x batch, at most one per SM, of 256 consumer
+    threads and a producer warpgroup."""
+    from cupyflash import _attention, _validation
+
+    _on_an_h100_with_the_hopper_backward(monkeypatch)
+    monkeypatch.setattr(_instantiations, "WS_BACKWARD_BY_DEFAULT", True)
+    q = numpy.zeros((1, 300, 2, head_dim), _validation.BFLOAT16)
+    p = _validation.check_attention_args(q, q, q, causal=causal, scale=None, return_lse=True)
+    if sparse:
+        p = _validation.check_block_mask(BlockMask(numpy.ones((1, 3, 3), bool)), p)
+    kernel = _attention.backward_kernels(p, 0)[0]
+    assert kernel.tma and kernel.ws and kernel in _instantiations.all_kernels("sm_90a")
+    one_block = _attention.backward_kernels(p, 0, ws=False)[0]
+    assert one_block.tma and not one_block.ws and dataclasses.replace(kernel, ws=False) == one_block
+    assert _instantiations.without_tma(kernel) == _attention.backward_kernels(p, 0, tma=False)[0]
+    monkeypatch.setattr(_instantiations, "WS_BACKWARD_BY_DEFAULT", False)
+    assert _attention.backward_kernels(p, 0)[0] == one_block
+    flags = f"{str(causal).lower()}, {str(sparse).lower()}"
+    assert kernel.name_expression == f"cupyflash::flash_bwd_dkdv_ws_kernel<{kernel.traits}, {flags}>"
+    assert kernel.smem_bytes == one_block.smem_bytes
+    assert (kernel.num_threads, one_block.num_threads) == (384, 256)
+    assert kernel.grid(2, 3, 300, 700, sm_count=132) == (2 * 3 * 6, 1, 1)  # 6 key tiles of 128
+    assert kernel.grid(4, 16, 4096, 4096, sm_count=132) == (132, 1, 1)
+    assert kernel.grid(2, 3, 300, 0, sm_count=132)[0] == 0 == one_block.grid(2, 3, 300, 0)[0]  # no keys: no launch
+    assert one_block.grid(4, 16, 4096, 4096) == (32, 16, 4)
+    with pytest.raises(ValueError, match="warp-specialised"):
+        _instantiations.WgmmaBwdDkdvKernel("bfloat16", 64, False, ws=True)
+
+
+@pytest.mark.parametrize("head_dim,density,ws", [(64, None, False), (128, None, False), (64, 1.0, False),
+                                                 (64, 0.25, True), (64, 0.5, False), (112, 1.0, True),
+                                                 (40, 0.125, True), (128, 0.5, True)])
+def test_the_warp_specialised_dkdv_kernel_serves_sparse_masks_by_default(monkeypatch, head_dim, density, ws):
+    """Unset, CUPYFLASH_HOPPER_WS_BWD leaves the choice to the mask: block-sparse problems up to
+    WS_BACKWARD_MAX_DENSITY of their head dim take the warp-specialised kernel, unmasked ones
+    (density None here) the one-block TMA build."""
+    from cupyflash import _attention, _validation
+
+    _on_an_h100_with_the_hopper_backward(monkeypatch)
+    monkeypatch.setattr(_instantiations, "WS_BACKWARD_BY_DEFAULT", None)
+    q = numpy.zeros((1, 512, 2, head_dim), _validation.BFLOAT16)
+    p = _validation.check_attention_args(q, q, q, causal=False, scale=None, return_lse=True)
+    if density is not None:
+        dense = numpy.zeros(16, bool)
+        dense[:round(16 * density)] = True
+        p = _validation.check_block_mask(BlockMask(dense.reshape(1, 4, 4)), p)
+        assert p.block_mask.density == density
+    kernel = _attention.backward_kernels(p, 0)[0]
+    assert kernel.tma and kernel.ws == ws
 
 
 def _recording_encoder(monkeypatch) -> list:

@@ -431,6 +431,80 @@ def test_tma_dq_build_matches_the_atomic_build(rng, monkeypatch, nan_outputs, ho
         assert (bits(got.get()) == bits(want.get())).all()
 
 
+# (batch, seqlen_q, seqlen_k, heads, K/V heads, head dim, rows of whole 16 bytes so that the strided
+# Q, K, V and dO take tensor maps): one-key and one-query problems, key tiles cut by seqlen_k, GQA,
+# seqlen_k a tile multiple and not, head dims padded to 64 and to 128.
+WS_BWD_SHAPES = [(2, 70, 1, 4, 2, 64), (2, 1, 17, 3, 3, 40), (2, 203, 331, 4, 2, 56), (1, 515, 700, 4, 4, 64),
+                 (1, 1023, 1024, 2, 1, 128), (1, 1024, 1023, 2, 2, 104), (2, 129, 257, 2, 2, 120)]
+
+
+@pytest.mark.parametrize("sm_count", [None, 1, 3])
+@pytest.mark.parametrize("variant", list(TMA_VARIANTS))
+@pytest.mark.parametrize("shape", WS_BWD_SHAPES)
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dtype, shape, variant, sm_count):
+    """The warp-specialised dK/dV kernel against the reference, and bit for bit against the
+    one-block TMA build for dK and dV (the same steps on the same tiles, each key block's walk
+    starting at the same query block); dQ sums the same shares in another order: within the
+    reference's tolerance. sm_count forces the grid down to 1 or 3 blocks, so that each claims many
+    key blocks, its producer filling both Q_i buffers and K_j, V_j while the consumers write out
+    the last key block. Block masks of 256 keys round the launch up past seqlen_k (key tiles with
+    nothing to do) and leave a key block with no query block."""
+    from shapes import bits
+
+    if not hopper.backward:
+        pytest.skip("the Hopper dK/dV kernel is switched off in this run")
+    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", True)
+    if sm_count is not None:
+        monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count)
+    causal, window, block_sparse = TMA_VARIANTS[variant]
+    q, k, v = _tma_inputs(rng, dtype, shape)
+    q, dout = _strided_like(rng, q), _strided_like(rng, q)
+    mask = None
+    if block_sparse:
+        dense = rng.random((shape[3], -(-shape[1] // 128), -(-shape[2] // 256))) < 0.6
+        dense[:, :, 0] = False  # key block 0: no query block
+        mask = BlockMask(dense, (128, 256))
+        out, lse = cupyflash.block_sparse_attention(q, k, v, mask, causal=causal, window=window, return_lse=True)
+    else:
+        out, lse = cupyflash.attention(q, k, v, causal=causal, window=window, return_lse=True)
+
+    def backward():
+        if mask is None:
+            return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, window=window)
+        return cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask, causal=causal, window=window)
+
+    grads = backward()
+    ws = hopper[-1]
+    assert ws.ws and ws.block_sparse == block_sparse and ws.local == (causal or window is not None)
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask, window=window)
+    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", False)
+    one_block = backward()
+    assert hopper[-1] == dataclasses.replace(ws, ws=False)
+    assert_gradients_match_reference(dout, q, k, v, one_block, dtype, causal, block_mask=mask, window=window)
+    for got, want in zip(grads[1:], one_block[1:]):
+        assert (bits(got.get()) == bits(want.get())).all()
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_warp_specialised_dkdv_kernel_falls_back(rng, monkeypatch, nan_outputs, hopper, dtype):
+    """V 2 bytes off 16-byte alignment has no tensor map: the one-block TMA build serves (dQ's, Q's
+    and dO's maps still fit), with results as ever."""
+    import cupy
+
+    if not hopper.backward:
+        pytest.skip("the Hopper dK/dV kernel is switched off in this run")
+    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", True)
+    q, k = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 300, 300, 2, 64)[:2])
+    buf = cupy.asarray(rng.standard_normal(k.size + 1).astype(k.dtype))
+    v = buf[1:].reshape(k.shape)
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse)
+    assert isinstance(hopper[-1], inst.WgmmaBwdDkdvKernel) and hopper[-1].tma and not hopper[-1].ws
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, False)
+
+
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_tma_dq_falls_back_to_atomics(rng, nan_outputs, hopper, dtype):
     """Head dims 59 and 111 (dQ rows of 236, 444 bytes: not multiples of 16) have no tensor map;
