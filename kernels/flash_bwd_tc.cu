@@ -559,7 +559,8 @@ __device__ __forceinline__ int first_query_tile(const TileSequence<kIsBlockSpars
     return m_blocks > 0 ? query_blocks.begin + position % m_blocks : 0;
 }
 
-// The dK/dV kernels' shared memory (Bt's layout from its tiles' base).
+// The warp-specialised dK/dV kernel's view of Bt's shared memory (the one-block kernel's layout,
+// from its tiles' base).
 struct DkdvTiles {
     unsigned sK;    // K_j [kBlockN][kStride] (Hopper: swizzled panels)
     unsigned sV;    // V_j [kBlockN][kStride]
