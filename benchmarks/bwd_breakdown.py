@@ -128,5 +128,13 @@ def record_launches(call) -> Launches:
     return launches
 
 
+def replay_us(launches) -> float:
+    """Median microseconds of `record_launches`' launches replayed back to back (bench._median_ms)."""
+    import bench
+    from cupyflash import _attention
+
+    return bench._median_ms(lambda: [_attention._launch(*launch[:4], *launch[4]) for launch in launches], 0.3) * 1e3
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,17 +19,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 def main(argv=None):
     import cupy
 
-    import bench
     import bench_sparse
     import cupyflash
-    from bwd_breakdown import record_launches
-    from cupyflash import _attention
+    from bwd_breakdown import record_launches, replay_us
     from cupyflash._validation import BFLOAT16
 
     def kernels_us(call) -> float:
         launches = record_launches(call)
-        return bench._median_ms(lambda: [_attention._launch(*launch[:4], *launch[4]) for launch in launches],
-                                0.3) * 1e3
+        return replay_us(launches)
 
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     print(f"{'d':>4} {'seqlen':>6} {'density':>7} | {'us':>8} {'/ (density x dense)':>20}")

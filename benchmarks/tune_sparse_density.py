@@ -39,10 +39,9 @@ CANDIDATES = {64: [(64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 2), (128, 64, 
 def main(argv=None):
     import cupy
 
-    import bench
     import bench_sparse
     import cupyflash
-    from bwd_breakdown import record_launches
+    from bwd_breakdown import record_launches, replay_us
     from cupyflash import _attention, _compile, _instantiations as inst, _validation
     from cupyflash._validation import BFLOAT16
 
@@ -70,8 +69,7 @@ def main(argv=None):
     def kernels_us(call) -> float:
         launches = record_launches(call)
         time.sleep(args.pause)
-        return bench._median_ms(lambda: [_attention._launch(*launch[:4], *launch[4]) for launch in launches],
-                                0.3) * 1e3
+        return replay_us(launches)
 
     def described(kernel, times: list, ratios: str) -> str:
         """A candidate's tile, registers (a cupy.RawKernel's), times in us and ratios."""

@@ -25,9 +25,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 def main(argv=None):
     import cupy
 
-    import bench
     import bench_sparse
-    from bwd_breakdown import record_launches
+    from bwd_breakdown import record_launches, replay_us
     from cupyflash import _attention, _compile, _instantiations as inst, _validation
     from cupyflash._validation import BFLOAT16
 
@@ -47,8 +46,7 @@ def main(argv=None):
     def kernels_us(call) -> float:
         launches = record_launches(call)
         time.sleep(args.pause)
-        return bench._median_ms(lambda: [_attention._launch(*launch[:4], *launch[4]) for launch in launches],
-                                0.3) * 1e3
+        return replay_us(launches)
 
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(device)['name'].decode()}")
     print(f"{'d':>4} {'seqlen':>6} {'density':>7} {'kernel (tile)':>34} {'regs':>4} | {'us':>17} "

@@ -46,16 +46,11 @@ def main(argv=None):
 def _run(args, device) -> int:
     import cupy
 
-    import bench
     import bench_sparse
     import cupyflash
-    from bwd_breakdown import record_launches
-    from cupyflash import _attention, _compile, _instantiations as inst
+    from bwd_breakdown import record_launches, replay_us
+    from cupyflash import _compile, _instantiations as inst
     from cupyflash._validation import BFLOAT16
-
-    def replay_us(launches) -> float:
-        return bench._median_ms(lambda: [_attention._launch(*launch[:4], *launch[4]) for launch in launches],
-                                0.3) * 1e3
 
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(device)['name'].decode()}")
     print(f"{'d':>4} {'seqlen':>6} {'pattern':>7} {'density':>7} | {'dK/dV one-block':>17} {'ws':>17} "

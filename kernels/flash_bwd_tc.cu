@@ -559,35 +559,29 @@ __device__ __forceinline__ int first_query_tile(const TileSequence<kIsBlockSpars
     return m_blocks > 0 ? query_blocks.begin + position % m_blocks : 0;
 }
 
-// The warp-specialised dK/dV kernel's view of Bt's shared memory (the one-block kernel's layout,
-// from its tiles' base).
+// The warp-specialised dK/dV kernel's view of WgmmaBwdDkdvTraits' shared memory (the one-block
+// kernel's TMA builds' layout), from its tiles' base, the first swizzle period.
 struct DkdvTiles {
-    unsigned sK;    // K_j [kBlockN][kStride] (Hopper: swizzled panels)
-    unsigned sV;    // V_j [kBlockN][kStride]
-    unsigned sQ;    // Q_i [2][kBlockM][kStride]
-    unsigned sdO;   // dO_i [kDoBuffers][kBlockM][kStride]
-    unsigned sPt;   // P_ij^T [kBlockN][kPStride] (Hopper: none)
-    unsigned sdSt;  // dS_ij^T [kBlockN][kPStride]
-    unsigned sDq;   // kTma: dQ_i's shares, [2 stages][kWarpgroups][kDqShareBytes]
-    float* sLse2;   // lse_i·log2(e) [2][kBlockM]
-    float* sD;      // D_i [2][kBlockM]
+    unsigned sK, sV;  // K_j, V_j [kBlockN][head dim], swizzled panels
+    unsigned sQ;      // Q_i [2][kBlockM][head dim]
+    unsigned sdO;     // dO_i [2][kBlockM][head dim]
+    unsigned sdSt;    // dS_ij^T [kBlockN][kBlockM]
+    unsigned sDq;     // dQ_i's shares, [2 stages][kWarpgroups][kDqShareBytes]
+    float* sLse2;     // lse_i·log2(e) [2][kBlockM]
+    float* sD;        // D_i [2][kBlockM]
 };
 
-template <typename Bt, bool kTma>
+template <typename Bt>
 __device__ __forceinline__ DkdvTiles dkdv_tiles(unsigned char* smem) {
-    // (The tiles' base: the block's shared memory, or on Hopper the first swizzle period in it.)
     const unsigned tiles = Bt::tile_base(smem_address(smem));
-    unsigned char* const smem_tiles = smem + (tiles - smem_address(smem));
     DkdvTiles s;
     s.sK = tiles + Bt::kSmemKOffset * 2;
     s.sV = tiles + Bt::kSmemVOffset * 2;
     s.sQ = tiles + Bt::kSmemQOffset * 2;
     s.sdO = tiles + Bt::kSmemDoOffset * 2;
-    s.sPt = tiles + Bt::kSmemPOffset * 2;
     s.sdSt = tiles + Bt::kSmemDsOffset * 2;
-    s.sDq = 0;
-    if constexpr (kTma) s.sDq = tiles + Bt::kDqStageOffset;
-    s.sLse2 = reinterpret_cast<float*>(smem_tiles + Bt::kSmemRowStatsOffset);
+    s.sDq = tiles + Bt::kDqStageOffset;
+    s.sLse2 = reinterpret_cast<float*>(smem + (tiles - smem_address(smem)) + Bt::kSmemRowStatsOffset);
     s.sD = s.sLse2 + 2 * Bt::kBlockM;
     return s;
 }
@@ -707,7 +701,7 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
     constexpr int kConsumerRegs = Bt::kHeadDim == 128 && !kIsLocal ? 232 : 224;
     constexpr int kProducerRegs = 3 * 168 - 2 * kConsumerRegs;
     extern __shared__ __align__(16) unsigned char smem[];
-    const DkdvTiles s = dkdv_tiles<Bt, true>(smem);
+    const DkdvTiles s = dkdv_tiles<Bt>(smem);
     // kv: K_j, V_j landed (the producer's arrival and the bytes) / read (one arrival per consumer
     // warp); q[b]: Q_i, dO_i and row statistics in buffer b, likewise (the producer arrives twice:
     // with the tiles' bytes, then once its lanes have stored the statistics).
