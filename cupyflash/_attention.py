@@ -420,6 +420,39 @@ def _launch(kernel, device_id: int, grid, params: numpy.ndarray, *more: numpy.nd
     function(grid, (kernel.num_threads,), arguments, shared_mem=kernel.smem_bytes)
 
 
+# Counters that their kernels leave zeroed (the persistent kernels' tile claims, decode's split
+# counts): one buffer per (device, stream), as the launches on a stream run one after another.
+_COUNTERS: dict = {}
+# The workspaces and counters of calls captured into CUDA graphs, which replays go on using (a
+# graph holds the addresses for its life, which may be the process's).
+_CAPTURED: list = []
+
+
+def zeroed_counters(device_id: int, n: int):
+    """A zeroed uint32 buffer of at least n counters for a launch on the current stream, which the
+    launch must leave zeroed. A call being captured into a CUDA graph gets one of its own, as its
+    replays may run on any stream beside calls on this one (the memset is captured too: harmless)."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    if stream.is_capturing():
+        return keep_if_captured(cupy.zeros(n, numpy.uint32))
+    key = (device_id, stream.ptr)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.size < n:
+        counters = _COUNTERS[key] = cupy.zeros(max(n, 1024), numpy.uint32)
+    return counters
+
+
+def keep_if_captured(x):
+    """x, kept alive for the process's life if the current stream is being captured into a graph."""
+    import cupy
+
+    if cupy.cuda.get_current_stream().is_capturing():
+        _CAPTURED.append(x)
+    return x
+
+
 @functools.cache
 def _compute_capability(device_id: int) -> int:
     import cupy
@@ -504,8 +537,9 @@ def launch_forward(
         if maps is not None:
             params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
             n_tiles = numpy.array(kernel.n_tiles(p.batch, p.heads, p.seqlen_q), numpy.int32)
+            claims = numpy.array(zeroed_counters(q.device.id, 1).data.ptr, numpy.uint64)
             grid = kernel.grid(p.batch, p.heads, p.seqlen_q, sm_count=_sm_count(q.device.id))
-            _launch(kernel, q.device.id, grid, params, maps, n_tiles)
+            _launch(kernel, q.device.id, grid, params, maps, n_tiles, claims)
             return
         kernel = _instantiations.fwd_kernel(p.dtype_name, p.head_dim, False, True, kernel.block_sparse, wgmma=True,
                                             tma=True)
@@ -894,7 +928,7 @@ def launch_backward(
                     kernel = dataclasses.replace(kernel, ws=False)
             if kv_maps is not None:  # and the key tiles per (K/V head, batch), all of them, and a counter
                 positions = kernel.positions(seqlen_k)
-                claims = cupy.zeros(1, numpy.int32)  # (freed to the stream-ordered pool after the launch)
+                claims = zeroed_counters(device_id, 1)
                 more += (kv_maps, numpy.array(positions, numpy.int32), numpy.array(positions * heads * p.batch, numpy.int32),
                          numpy.array(claims.data.ptr, numpy.uint64))
                 grid = kernel.grid(p.batch, heads, p.seqlen_q, seqlen_k, sm_count=_sm_count(device_id))

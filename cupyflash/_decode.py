@@ -248,28 +248,6 @@ def _plan(kernel, batch: int, heads_kv: int, rows: int, cache_len: int, num_spli
     return row_blocks, num_splits
 
 
-# Counters of the splits done per row group (decode_combine_splits), which the kernels leave zeroed:
-# one buffer per (device, stream), as the launches on a stream run one after another.
-_SPLIT_COUNTERS: dict = {}
-# The workspaces and counters of calls captured into CUDA graphs, which replays go on using.
-_CAPTURED: list = []
-
-
-def _split_counters(device_id: int, groups: int, capturing: bool):
-    """A zeroed uint32 buffer of at least `groups` counters for a launch on the current stream; a
-    call being captured into a CUDA graph gets one of its own, as its replays may run on any stream
-    beside calls on this one."""
-    import cupy
-
-    if capturing:
-        return cupy.zeros(groups, numpy.uint32)  # the memset is captured too: harmless
-    key = (device_id, cupy.cuda.get_current_stream().ptr)
-    counters = _SPLIT_COUNTERS.get(key)
-    if counters is None or counters.size < groups:
-        counters = _SPLIT_COUNTERS[key] = cupy.zeros(max(groups, 1024), numpy.uint32)
-    return counters
-
-
 def launch_decode(q, k, v, k_new, v_new, lengths, out, lse, d: _validation.DecodeProblem, kernel=None) -> None:
     """Launches the append (with new keys) and decode kernels on CuPy's current stream; arguments
     must already be validated. `kernel` overrides the traits table's decode kernel."""
@@ -295,11 +273,10 @@ def launch_decode(q, k, v, k_new, v_new, lengths, out, lse, d: _validation.Decod
         workspace = cupy.empty(partial_rows * (kernel.head_dim + 1), _validation.lse_dtype(p.dtype_name))
         fields["o_partial"] = workspace.data.ptr
         fields["lse_partial"] = workspace.data.ptr + partial_rows * kernel.head_dim * workspace.itemsize
-        capturing = cupy.cuda.get_current_stream().is_capturing()
-        counters = _split_counters(device_id, p.batch * heads_kv * row_blocks, capturing)
+        # Counters of the splits done per row group (decode_combine_splits), left zeroed.
+        counters = _attention.zeroed_counters(device_id, p.batch * heads_kv * row_blocks)
         fields["split_counters"] = counters.data.ptr
-        if capturing:  # a graph holds the addresses for its life, which may be the process's
-            _CAPTURED.extend((workspace, counters))
+        _attention.keep_if_captured(workspace)
     left, right = p.band
     fields.update(
         batch=p.batch, heads=p.heads, kv_group=p.kv_group, seqlen_q=p.seqlen_q, cache_len=p.seqlen_k,

@@ -201,19 +201,23 @@ static_assert(sizeof(FwdWsTensorMaps) == 512, "cupyflash/_tma.py passes 4 x 128 
 
 // The warp-specialised, persistent forward (WgmmaFwdWsTraits): dense or block-sparse, not local,
 // no score modifiers, not packed. Grid: (blocks, at most one per SM). Block: Kt::kNThreadsAll.
-// Block b takes query tiles b, b + gridDim.x, ... of the n_tiles = query tiles x heads x batch,
-// query tiles fastest (a head's K, V stay in L2 while its tiles run). Per tile the same steps as
-// flash_fwd_tc_kernel, Algorithm 1 of FlashAttention-2, split between the roles:
-//   producer (thread 0): the tile's key blocks (the mask row's list), Q_i into a free Q buffer,
-//     then K_j and V_j into the ring's next free stage, each counted on its `full` mbarrier;
+// The n_tiles = query tiles x heads x batch go in order, query tiles fastest (a head's K, V stay
+// in L2 while its tiles run): block b takes tile b first, then the next unclaimed one
+// (`next_tile`: zero at launch and at exit, it counts the claims), so that blocks whose tiles had
+// few key blocks take more tiles. Per tile the same steps as flash_fwd_tc_kernel, Algorithm 1 of
+// FlashAttention-2, split between the roles:
+//   producer (thread 0): claims the next tile, reads its key blocks (the mask row's list), asks
+//     for Q_i into a free Q buffer, then K_j and V_j into the ring's next free stage, each counted
+//     on its `full` mbarrier;
 //   consumers: wait for a buffer's `full` phase, compute, arrive on its `empty` mbarrier once
 //     read (K_j, V_j: one arrival per warp; Q_i: one per warpgroup, once the TMA has read the O_i
-//     rows staged in it). The producer passes each tile's key-block count and each stage's first
-//     key along in shared memory, written before the arrival that completes the phase the
-//     consumers wait for.
+//     rows staged in it). The producer passes each tile's index and key-block count and each
+//     stage's first key along in shared memory, written before the arrival that completes the
+//     phase the consumers wait for; a tile index of -1 tells the consumers there are no more.
 template <typename Kt, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
-    flash_fwd_ws_kernel(const FwdParams params, const __grid_constant__ FwdWsTensorMaps maps, const int n_tiles) {
+    flash_fwd_ws_kernel(const FwdParams params, const __grid_constant__ FwdWsTensorMaps maps, const int n_tiles,
+                        int* const next_tile) {
     constexpr int kStages = Kt::kStages;
     constexpr int kConsumerWarps = Kt::kConsumerThreads / 32;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -226,7 +230,7 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
     // consumers are done with it (K_j, V_j: every consumer warp; Q_i: every consumer warpgroup,
     // its O_i rows read out of the buffer by the TMA).
     __shared__ alignas(8) unsigned long long q_barriers[2][2], k_barriers[kStages][2], v_barriers[kStages][2];
-    __shared__ int q_blocks[2];        // the key blocks of the tile in each Q buffer
+    __shared__ int q_tile[2], q_blocks[2];  // the tile in each Q buffer (-1: none left), its key blocks
     __shared__ int stage_col0[kStages];  // each stage's first key
     if (threadIdx.x == 0) {
         for (int b = 0; b < 2; ++b) {
@@ -251,14 +255,20 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
         // before the current one (phase ^ 1), which a fresh mbarrier reports as done.
         int stage = 0, q_buffer = 0;
         unsigned phase = 0, q_phase = 0;
-        for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+        for (int tile = blockIdx.x;;) {
+            const unsigned q_full = smem_address(&q_barriers[q_buffer][0]);
+            mbarrier_wait(smem_address(&q_barriers[q_buffer][1]), q_phase ^ 1);
+            if (tile >= n_tiles) {
+                q_tile[q_buffer] = -1;
+                mbarrier_arrive(q_full);  // no more tiles: the consumers leave
+                return;
+            }
             const int m_block = tile % m_tiles, head_idx = tile / m_tiles % params.heads,
                       batch_idx = tile / m_tiles / params.heads;
             const int row0 = m_block * Kt::kBlockM, kv_head = head_idx / params.kv_group;
             const auto key_blocks = key_tiles<Kt::kBlockN, false, kIsBlockSparse>(
                 params, batch_idx, head_idx, row0, min(Kt::kBlockM, params.seqlen_q - row0));
-            const unsigned q_full = smem_address(&q_barriers[q_buffer][0]);
-            mbarrier_wait(smem_address(&q_barriers[q_buffer][1]), q_phase ^ 1);
+            q_tile[q_buffer] = tile;
             q_blocks[q_buffer] = key_blocks.end - key_blocks.begin;
             if (key_blocks.begin < key_blocks.end)
                 load_tile_tma<Kt, Kt::kBlockM>(sQ0 + q_buffer * Kt::kQTileBytes, maps.q, q_full, row0, head_idx,
@@ -277,8 +287,12 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
                                                col0, kv_head, batch_idx);
                 if (++stage == kStages) stage = 0, phase ^= 1;
             }
+            // Every tile makes one claim, and the launch's last sets the counter back to zero, so
+            // that a launch replayed (a CUDA graph, a benchmark) starts as a fresh one does.
+            const int claims = atomicAdd(next_tile, 1);
+            if (claims == n_tiles - 1) *next_tile = 0;
+            tile = gridDim.x + claims;
         }
-        return;
     }
 
     setmaxnreg_inc<Kt::kConsumerRegs>();
@@ -291,9 +305,26 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
         __syncwarp();
         if (lane == 0) mbarrier_arrive(smem_address(&barriers[s][1]));
     };
+    // The last tile's O_i rows leave through its Q_i buffer (the other one) while this tile's
+    // first product runs: its storing thread waits for the TMA's read of them and hands the buffer
+    // back there, not at the end of that tile, where its warpgroup would wait with it.
+    bool store_pending = false;
+    const auto hand_back_last = [&](int q_buffer) {
+        if (store_pending && threadIdx.x % 128 == 0) {
+            bulk_wait_group_read<0>();
+            mbarrier_arrive(smem_address(&q_barriers[q_buffer ^ 1][1]));
+        }
+        store_pending = false;
+    };
     int stage = 0, q_buffer = 0;
     unsigned phase = 0, q_phase = 0;
-    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+    for (;;) {
+        mbarrier_wait(smem_address(&q_barriers[q_buffer][0]), q_phase);
+        const int tile = q_tile[q_buffer];
+        if (tile < 0) {
+            hand_back_last(q_buffer);
+            return;
+        }
         const int m_block = tile % m_tiles, head_idx = tile / m_tiles % params.heads,
                   batch_idx = tile / m_tiles / params.heads;
         const int warp_row0 = m_block * Kt::kBlockM + warp * Kt::kWarpRows;
@@ -305,7 +336,6 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) m[0][h] = neg_inf<float>(), l[0][h] = 0.f;
 
-        mbarrier_wait(smem_address(&q_barriers[q_buffer][0]), q_phase);
         const int n_blocks = q_blocks[q_buffer];
         for (int t = 0; t < n_blocks; ++t) {
             mbarrier_wait(smem_address(&k_barriers[stage][0]), phase);
@@ -315,6 +345,7 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
             wgmma_abt<Kt, Kt::kBlockN, Kt::kBlockM>(S[0], sQ + Kt::row_bytes(64 * warpgroup),
                                                     sK0 + stage * Kt::kKvTileBytes);
             release(k_barriers, stage);
+            if (t == 0) hand_back_last(q_buffer);
             if (params.seqlen_k - col0 < Kt::kBlockN) mask_fragments<false, false>(S, warp_row0, col0, params, f);
             online_softmax_tc<Kt>(S, O, m, l, scale_log2);
             unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
@@ -324,11 +355,12 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
             release(v_barriers, stage);
             if (++stage == kStages) stage = 0, phase ^= 1;
         }
+        hand_back_last(q_buffer);  // (a tile with no key blocks)
         // O_i / l_i goes into this warp's rows of its Q_i buffer (every wgmma reading them is
         // done). Once the warpgroup's 64 rows are there, one thread has the TMA store them (rows
-        // past seqlen_q and columns past head_dim clipped) and hands the buffer back when the copy
-        // engine has read it; the others go on to the next tile at once. (Each warp storing its
-        // own rows took 1.7-1.9 us a tile on an H200: benchmarks/NOTES.md, session 32.)
+        // past seqlen_q and columns past head_dim clipped); it hands the buffer back during the
+        // next tile's first product (hand_back_last), and the others go on at once. (Each warp
+        // storing its own rows took 1.7-1.9 us a tile on an H200: benchmarks/NOTES.md, session 32.)
         normalize_rows<Kt>(params, O, m, l, batch_idx, head_idx, warp_row0, f);
         stage_rows<Kt, Kt::kBlockM>(sQ, O, warp * Kt::kWarpRows, f);
         fence_proxy_async();  // each thread's writes, before the TMA reads them
@@ -340,9 +372,8 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
                 tma_store_4d(maps.o, rows + panel * Kt::row_bytes(Kt::kBlockM), panel * kPanelColumns,
                              m_block * Kt::kBlockM + 64 * warpgroup, head_idx, batch_idx);
             bulk_commit_group();
-            bulk_wait_group_read<0>();
-            mbarrier_arrive(smem_address(&q_barriers[q_buffer][1]));
         }
+        store_pending = true;
         if (++q_buffer == 2) q_buffer = 0, q_phase ^= 1;
     }
 }

@@ -510,10 +510,10 @@ __device__ __forceinline__ void normalize_rows(const FwdParams& params, float (&
             }
             const int row = warp_row0 + f.row(mt, h);
             if (f.t == 0 && row < params.seqlen_q) {
-                // In double, as the scalar kernel: the backward rebuilds every P_ij of the row from it.
-                lse[row] = l_row > 0.f ? static_cast<float>(static_cast<double>(m[mt][h]) * kLn2 +
-                                                            log(static_cast<double>(l_row)))
-                                       : neg_inf<float>();
+                // In float (one rounding more than the scalar kernel's double form: an ulp of lse,
+                // far below the 16-bit rounding of the P_ij that the backward rebuilds from it).
+                // The double log sat on every Hopper tile's epilogue (benchmarks/NOTES.md, session 35).
+                lse[row] = l_row > 0.f ? fmaf(m[mt][h], static_cast<float>(kLn2), logf(l_row)) : neg_inf<float>();
             }
         }
 }

@@ -155,9 +155,11 @@ struct WgmmaFwdWsTraits : WgmmaFwdTraits<Element_, kHeadDim_, kBlockM_, kBlockN_
     static constexpr int kConsumerThreads = 128 * kConsumers;
     static constexpr int kNThreadsAll = kConsumerThreads + 128;  // and the producer warpgroup
     static constexpr int kStages = kStages_;
-    // setmaxnreg's split of the 64K registers: the producer keeps the fewest it may.
-    static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
-    static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+    // setmaxnreg's split of the registers given at launch (kLaunchRegs below): the producer keeps
+    // 32 (at 24 the block-sparse producer, which claims its tiles, spilled 12-28 bytes), the
+    // consumers what is left, in steps of 8.
+    static constexpr int kProducerRegs = 32;
+    static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
 
     static constexpr int kQTileBytes = kBlockM_ * kHeadDim_ * 2;  // one Q_i buffer
     static constexpr int kKvTileBytes = kBlockN_ * kHeadDim_ * 2;  // one K_j or V_j buffer
@@ -168,7 +170,12 @@ struct WgmmaFwdWsTraits : WgmmaFwdTraits<Element_, kHeadDim_, kBlockM_, kBlockN_
     static constexpr int kSmemBytes = kSmemVBytesOffset + kStages_ * kKvTileBytes + kSwizzleAtomBytes;
 
     static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups (setmaxnreg's split)");
-    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "the registers are shared out");
+    // What __launch_bounds__(kNThreadsAll, 1) leaves a thread at launch (168 of 64K at 384
+    // threads): setmaxnreg.inc waits until the warpgroups that give registers back have freed
+    // enough, so the split must fit in these, not in 64K (producer 32 + consumers 240 hung).
+    static constexpr int kLaunchRegs = 65536 / kNThreadsAll / 8 * 8;
+    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kNThreadsAll,
+                  "the registers given at launch are shared out");
     static_assert(kStages_ >= 2, "K_j, V_j at least double-buffered");
     static_assert(kQTileBytes % kSwizzleAtomBytes == 0 && kKvTileBytes % kSwizzleAtomBytes == 0,
                   "every buffer starts on a swizzle period");

@@ -38,3 +38,26 @@ def bits(x):
     import numpy
 
     return x.view({2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}[x.dtype.itemsize])
+
+
+def captured(call):
+    """(graph, outputs, stream): `call` captured into a CUDA graph on a stream of its own, its
+    outputs (the arrays the graph writes) and that stream."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        outputs = call()
+        graph = stream.end_capture()
+    return graph, outputs, stream
+
+
+def replay_into_nan(graph, outputs, stream) -> None:
+    """Launches `graph` on `stream` with its outputs set to NaN bits first (so that an element a
+    replay leaves unwritten fails), without waiting for it."""
+    import cupy
+
+    for x in outputs:
+        cupy.cuda.runtime.memsetAsync(x.data.ptr, 0xFF, x.nbytes, stream.ptr)
+    graph.launch(stream)

@@ -7,7 +7,7 @@ import pytest
 
 import cupyflash
 from cupyflash import _attention, _decode, reference
-from shapes import DTYPES, HEAD_DIMS, bits, numpy_dtype
+from shapes import DTYPES, HEAD_DIMS, bits, captured, numpy_dtype, replay_into_nan
 from test_attention_gpu import assert_matches_reference
 
 pytestmark = pytest.mark.gpu
@@ -280,7 +280,7 @@ def test_decode_split_merge_counters(rng, nan_outputs, dtype):
         decode_and_check(rng, dtype, batch=2, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
                          cache_len=2000, num_splits=num_splits)
     cupy.cuda.Device().synchronize()
-    assert _decode._SPLIT_COUNTERS and not any(c.any() for c in _decode._SPLIT_COUNTERS.values())
+    assert _attention._COUNTERS and not any(c.any() for c in _attention._COUNTERS.values())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
@@ -293,16 +293,10 @@ def test_decode_captured_in_a_graph_replays_on_another_stream(rng, dtype):
     q = cupy.asarray(rng.standard_normal((2, 1, 8, 64)).astype(dt))
     k, v = (cupy.asarray(rng.standard_normal((2, 4096, 2, 64)).astype(dt)) for _ in range(2))
     want = [x.get() for x in cupyflash.attention_decode(q, k, v, num_splits=16, return_lse=True)]
-    capturing = cupy.cuda.Stream(non_blocking=True)
-    with capturing:
-        capturing.begin_capture()
-        outputs = cupyflash.attention_decode(q, k, v, num_splits=16, return_lse=True)
-        graph = capturing.end_capture()
+    graph, outputs, _ = captured(lambda: cupyflash.attention_decode(q, k, v, num_splits=16, return_lse=True))
     other = cupy.cuda.Stream(non_blocking=True)
     for _ in range(3):
-        for x in outputs:  # NaN bits, so that an element a replay leaves unwritten fails
-            cupy.cuda.runtime.memsetAsync(x.data.ptr, 0xFF, x.nbytes, other.ptr)
-        graph.launch(other)
+        replay_into_nan(graph, outputs, other)
         other.synchronize()
         for got, expected in zip(outputs, want):
             numpy.testing.assert_array_equal(bits(got.get()), bits(expected))

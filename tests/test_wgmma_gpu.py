@@ -303,9 +303,10 @@ WS_SHAPES = [(2, 70, 1, 4, 2, 128), (2, 1, 17, 3, 3, 104), (2, 203, 331, 4, 2, 1
 def test_warp_specialised_forward(rng, monkeypatch, nan_outputs, hopper, dtype, shape, block_sparse, sm_count):
     """The warp-specialised kernel (WgmmaFwdWsKernel) against the reference, and bit for bit against
     the TMA build at its tile (128 x 128, two warpgroups, no lazy rescale: the same arithmetic on
-    the same tiles). sm_count forces the persistent grid down to 1 or 3 blocks, so that each walks
-    many tiles through both Q_i buffers and round the K_j, V_j ring. Block-sparse masks leave a
-    mask row empty (output 0, lse -inf) where there are two. Q, K and V are strided views."""
+    the same tiles). sm_count forces the persistent grid down to 1 or 3 blocks, so that each claims
+    many tiles and walks them through both Q_i buffers and round the K_j, V_j ring; the launch
+    leaves its claim counter zeroed. Block-sparse masks leave a mask row empty (output 0, lse -inf)
+    where there are two. Q, K and V are strided views."""
     monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", True)
     if sm_count is not None:
         monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count)
@@ -324,10 +325,38 @@ def test_warp_specialised_forward(rng, monkeypatch, nan_outputs, hopper, dtype, 
     ws = hopper[-1]
     assert isinstance(ws, inst.WgmmaFwdWsKernel) and ws.block_sparse == block_sparse
     assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
+    assert _attention._COUNTERS and not any(c.any() for c in _attention._COUNTERS.values())
 
     twin = inst.WgmmaFwdKernel(dtype, ws.head_dim, False, block_sparse=block_sparse, tma=True,
                                tile_override=inst.TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1))
     assert_build_gives_the_same_bits(twin, q, k, v, out, lse, mask)
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_warp_specialised_forward_captured_in_a_graph(rng, monkeypatch, hopper, dtype):
+    """A captured call keeps a claim counter of its own: replayed on another stream while calls on
+    the capturing stream go on, each replay claims every tile afresh and gives the direct call's
+    bits (three blocks for 2 x 2 x 9 tiles, so that most are claimed)."""
+    import cupy
+    from shapes import bits, captured, replay_into_nan
+
+    monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(_attention, "_sm_count", lambda device_id: 3)
+    q, k, v = _tma_inputs(rng, dtype, (2, 1100, 900, 2, 1, 128))
+    mask = BlockMask(rng.random((2, 9, 8)) < 0.5)
+    want = [x.get() for x in cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)]
+    assert isinstance(hopper[-1], inst.WgmmaFwdWsKernel)
+    graph, outputs, capturing = captured(lambda: cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True))
+    other = cupy.cuda.Stream(non_blocking=True)
+    for _ in range(3):
+        replay_into_nan(graph, outputs, other)
+        with capturing:
+            beside = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+        other.synchronize()
+        capturing.synchronize()
+        for got, also, expected in zip(outputs, beside, want):
+            numpy.testing.assert_array_equal(bits(got.get()), bits(expected))
+            numpy.testing.assert_array_equal(bits(also.get()), bits(expected))
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
