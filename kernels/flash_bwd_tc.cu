@@ -695,11 +695,12 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
                   "dK_j and dV_j are staged in the dQ stages");
     constexpr int kConsumerWarps = Bt::kNThreads / 32;
     constexpr int kConsumerBarrier = 3;  // (1 and 2: add_dq_shares_wgmma's, one per warpgroup)
-    // setmaxnreg's split of the 168 registers a thread has at launch: the consumers' share is what
-    // their steps need without spilling, at d128 outside the local builds 232 (224 spilled 36 bytes),
-    // and the producer keeps the rest (at 40 the block-sparse d64 builds spilled 60-68 bytes).
+    // setmaxnreg's split of the registers a thread has at launch (launch_registers: 168): the
+    // consumers' share is what their steps need without spilling, at d128 outside the local builds
+    // 232 (224 spilled 36 bytes), and the producer keeps the rest (at 40 the block-sparse d64
+    // builds spilled 60-68 bytes).
     constexpr int kConsumerRegs = Bt::kHeadDim == 128 && !kIsLocal ? 232 : 224;
-    constexpr int kProducerRegs = 3 * 168 - 2 * kConsumerRegs;
+    constexpr int kProducerRegs = 3 * launch_registers(Bt::kNThreads + 128) - 2 * kConsumerRegs;
     extern __shared__ __align__(16) unsigned char smem[];
     const DkdvTiles s = dkdv_tiles<Bt>(smem);
     // kv: K_j, V_j landed (the producer's arrival and the bytes) / read (one arrival per consumer

@@ -137,6 +137,12 @@ struct WgmmaFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_>, S
     static_assert((kBlockN * kSwizzleBytes) % kSwizzleAtomBytes == 0, "K_j, V_j panels start on swizzle periods");
 };
 
+// The registers a thread has at launch under __launch_bounds__(threads, 1), which the
+// warp-specialised kernels' setmaxnreg splits share out: setmaxnreg.inc waits until the warpgroups
+// that give registers back have freed enough, so a split must fit in threads times these, not in
+// 64K (a forward split of 32 + 2 x 240 at 384 threads hung; benchmarks/NOTES.md, session 35).
+__host__ __device__ constexpr int launch_registers(int threads) { return 65536 / threads / 8 * 8; }
+
 // Forward on Hopper, warp-specialised and persistent (FlashAttention-3's structure;
 // flash_fwd_tc.cu's flash_fwd_ws_kernel): a block per SM walks query tiles of kBlockM rows in
 // turn. Warpgroup 0 is the producer: one of its threads asks the TMA for each tile's Q_i (two
@@ -155,7 +161,7 @@ struct WgmmaFwdWsTraits : WgmmaFwdTraits<Element_, kHeadDim_, kBlockM_, kBlockN_
     static constexpr int kConsumerThreads = 128 * kConsumers;
     static constexpr int kNThreadsAll = kConsumerThreads + 128;  // and the producer warpgroup
     static constexpr int kStages = kStages_;
-    // setmaxnreg's split of the registers given at launch (kLaunchRegs below): the producer keeps
+    // setmaxnreg's split of the registers given at launch (launch_registers): the producer keeps
     // 32 (at 24 the block-sparse producer, which claims its tiles, spilled 12-28 bytes), the
     // consumers what is left, in steps of 8.
     static constexpr int kProducerRegs = 32;
@@ -170,11 +176,7 @@ struct WgmmaFwdWsTraits : WgmmaFwdTraits<Element_, kHeadDim_, kBlockM_, kBlockN_
     static constexpr int kSmemBytes = kSmemVBytesOffset + kStages_ * kKvTileBytes + kSwizzleAtomBytes;
 
     static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups (setmaxnreg's split)");
-    // What __launch_bounds__(kNThreadsAll, 1) leaves a thread at launch (168 of 64K at 384
-    // threads): setmaxnreg.inc waits until the warpgroups that give registers back have freed
-    // enough, so the split must fit in these, not in 64K (producer 32 + consumers 240 hung).
-    static constexpr int kLaunchRegs = 65536 / kNThreadsAll / 8 * 8;
-    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kNThreadsAll,
+    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= launch_registers(kNThreadsAll) * kNThreadsAll,
                   "the registers given at launch are shared out");
     static_assert(kStages_ >= 2, "K_j, V_j at least double-buffered");
     static_assert(kQTileBytes % kSwizzleAtomBytes == 0 && kKvTileBytes % kSwizzleAtomBytes == 0,
