@@ -211,9 +211,10 @@ static_assert(sizeof(FwdWsTensorMaps) == 512, "cupyflash/_tma.py passes 4 x 128 
 //     on its `full` mbarrier;
 //   consumers: wait for a buffer's `full` phase, compute, arrive on its `empty` mbarrier once
 //     read (K_j, V_j: one arrival per warp; Q_i: one per warpgroup, once the TMA has read the O_i
-//     rows staged in it). The producer passes each tile's index and key-block count and each
-//     stage's first key along in shared memory, written before the arrival that completes the
-//     phase the consumers wait for; a tile index of -1 tells the consumers there are no more.
+//     rows staged in it). The producer passes each tile's index, query block, head, batch index
+//     and key-block count and each stage's first key along in shared memory, written before the
+//     arrival that completes the phase the consumers wait for; a tile index of -1 tells the
+//     consumers there are no more.
 template <typename Kt, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
     flash_fwd_ws_kernel(const FwdParams params, const __grid_constant__ FwdWsTensorMaps maps, const int n_tiles,
@@ -230,7 +231,9 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
     // consumers are done with it (K_j, V_j: every consumer warp; Q_i: every consumer warpgroup,
     // its O_i rows read out of the buffer by the TMA).
     __shared__ alignas(8) unsigned long long q_barriers[2][2], k_barriers[kStages][2], v_barriers[kStages][2];
-    __shared__ int q_tile[2], q_blocks[2];  // the tile in each Q buffer (-1: none left), its key blocks
+    // The tile in each Q buffer (-1: none left), its key blocks, and its query block, head and batch
+    // index (decoded by the producer: the consumers' divisions sat at every tile's start).
+    __shared__ int q_tile[2], q_blocks[2], q_coords[2][3];
     __shared__ int stage_col0[kStages];  // each stage's first key
     if (threadIdx.x == 0) {
         for (int b = 0; b < 2; ++b) {
@@ -270,6 +273,9 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
                 params, batch_idx, head_idx, row0, min(Kt::kBlockM, params.seqlen_q - row0));
             q_tile[q_buffer] = tile;
             q_blocks[q_buffer] = key_blocks.end - key_blocks.begin;
+            q_coords[q_buffer][0] = m_block;
+            q_coords[q_buffer][1] = head_idx;
+            q_coords[q_buffer][2] = batch_idx;
             if (key_blocks.begin < key_blocks.end)
                 load_tile_tma<Kt, Kt::kBlockM>(sQ0 + q_buffer * Kt::kQTileBytes, maps.q, q_full, row0, head_idx,
                                                batch_idx);
@@ -325,8 +331,7 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
             hand_back_last(q_buffer);
             return;
         }
-        const int m_block = tile % m_tiles, head_idx = tile / m_tiles % params.heads,
-                  batch_idx = tile / m_tiles / params.heads;
+        const int m_block = q_coords[q_buffer][0], head_idx = q_coords[q_buffer][1], batch_idx = q_coords[q_buffer][2];
         const int warp_row0 = m_block * Kt::kBlockM + warp * Kt::kWarpRows;
         const unsigned sQ = sQ0 + q_buffer * Kt::kQTileBytes;
 

@@ -489,7 +489,21 @@ __device__ __forceinline__ void store_rows_staged(typename Tt::Storage* g_tile, 
     }
 }
 
+// 1 / l for a row sum l >= 1 (its largest term is exp2(0)), the same bits as 1.f / l: the
+// reciprocal's approximation and one Newton step, which is what the compiled division does for
+// such l; written out, it leaves out the division's branch to its slow path for extreme l, behind
+// which the compiler would not overlap one row's chain with the next's.
+__device__ __forceinline__ float reciprocal_of_row_sum(float l) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(l));
+    return fmaf(r, fmaf(-l, r, 1.f), r);
+}
+
 // The epilogue's first part: O_i / l_i (times out_scale with kRescale) in place, and lse_i written.
+// Every row's sum, reciprocal and log come first (the log in every lane, with no branch), so that
+// their dependent chains overlap rather than run row after row: written row by row, with a branch
+// around each, they took most of the warp-specialised forward's epilogue (benchmarks/NOTES.md,
+// session 36).
 template <typename Kt, bool kRescale = false>
 __device__ __forceinline__ void normalize_rows(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
                                                const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
@@ -497,24 +511,30 @@ __device__ __forceinline__ void normalize_rows(const FwdParams& params, float (&
                                                float out_scale = 1.f) {
     float* lse = static_cast<float*>(params.lse) + batch_idx * params.lse_batch_stride +
                  head_idx * params.lse_head_stride;
+    float inv_l[Kt::kMTiles][2], lse_row[Kt::kMTiles][2];
 #pragma unroll
     for (int mt = 0; mt < Kt::kMTiles; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const float l_row = quad_sum(l[mt][h]);
-            const float inv_l = l_row > 0.f ? (kRescale ? out_scale / l_row : 1.f / l_row) : 0.f;
+            inv_l[mt][h] = l_row > 0.f ? (kRescale ? out_scale / l_row : reciprocal_of_row_sum(l_row)) : 0.f;
+            // In float (one rounding more than the scalar kernel's double form: an ulp of lse, far
+            // below the 16-bit rounding of the P_ij that the backward rebuilds from it). A row with
+            // no key (l = 0) gets -inf from log(0) whatever its m: no select, which the compiler
+            // turned into a branch around the log.
+            lse_row[mt][h] = fmaf(m[mt][h], static_cast<float>(kLn2), logf(l_row));
+        }
+#pragma unroll
+    for (int mt = 0; mt < Kt::kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
 #pragma unroll
             for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
-                O[mt][dt][2 * h] *= inv_l;
-                O[mt][dt][2 * h + 1] *= inv_l;
+                O[mt][dt][2 * h] *= inv_l[mt][h];
+                O[mt][dt][2 * h + 1] *= inv_l[mt][h];
             }
             const int row = warp_row0 + f.row(mt, h);
-            if (f.t == 0 && row < params.seqlen_q) {
-                // In float (one rounding more than the scalar kernel's double form: an ulp of lse,
-                // far below the 16-bit rounding of the P_ij that the backward rebuilds from it).
-                // The double log sat on every Hopper tile's epilogue (benchmarks/NOTES.md, session 35).
-                lse[row] = l_row > 0.f ? fmaf(m[mt][h], static_cast<float>(kLn2), logf(l_row)) : neg_inf<float>();
-            }
+            if (f.t == 0 && row < params.seqlen_q) lse[row] = lse_row[mt][h];
         }
 }
 
