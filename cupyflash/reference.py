@@ -302,6 +302,26 @@ def output_term_magnitude(
     return float(numpy.abs(v).max(initial=0.0)) * _exponent_size(p, q, k) * _dropout.rescale(p.dropout_p)
 
 
+def lse_term_magnitude(
+    q, k, v, *, causal=False, scale=None, block_mask=None, window=None, softcap=None, alibi_slopes=None,
+    dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
+) -> float:
+    """For `error_bound` on lse: lse_i = log sum_j exp(s_ij) carries its scores' rounding, and a
+    score is a sum of head_dim products scale·q_d k_d, whose rounding follows the size of those
+    terms, not of the sum: the largest visible scale·sum_d |q_d k_d|, and at least max(1, max|s|,
+    max|lse|) (`gradient_exponent_size`). A kernel's dot products and the float32 baseline's
+    (`attention_in_precision`) are summed in different orders, by as much as that size's eps.
+    Arguments as `attention` (dropout leaves lse as it is)."""
+    p, q, k, v = _prepare(q, k, v, causal, scale, True, block_mask, window, softcap, alibi_slopes)
+    qh, kh = (numpy.abs(x).transpose(0, 2, 1, 3) for x in (q, k))
+    terms = (qh @ kh.transpose(0, 1, 3, 2)) * p.scale
+    hidden = _hidden(p)
+    if hidden is not None:
+        terms = numpy.where(hidden, 0.0, terms)
+    _, lse, _, _, _ = _materialised_forward(q, k, v, p, numpy.float64, None)
+    return max(float(terms.max(initial=0.0)), _exponent_size(p, q, k, lse))
+
+
 def _exponent_size(p, q, k, lse=None) -> float:
     """max(1, the largest visible |s_ij|, and with `lse` its largest finite |lse_i|): the size of
     the operands of the exponents P_ij is computed from, which a float type resolves only to that

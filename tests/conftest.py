@@ -41,8 +41,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng(request):
-    """Fresh random data every run; the seed is printed with any failure."""
-    seed = secrets.randbits(32)
+    """Fresh random data every run; the seed is printed with any failure, and
+    CUPYFLASH_TEST_SEED=<seed> replays it."""
+    replay = os.environ.get("CUPYFLASH_TEST_SEED")
+    seed = int(replay) if replay else secrets.randbits(32)
     print(f"random seed for {request.node.name}: {seed}")
     return numpy.random.default_rng(seed)
 

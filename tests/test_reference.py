@@ -182,6 +182,31 @@ def test_output_term_magnitude_brute_force(rng):
         assert (got == numpy.abs(v).max()) == (biggest <= 1.0)
 
 
+def test_lse_term_magnitude_brute_force(rng):
+    """The largest visible scale·sum_d |q_d k_d| (a score's terms), at least the exponent size.
+    GQA: one K head serves both query heads."""
+    q, k, v = (rng.standard_normal((1, 5, 2, 3)) for _ in range(3))
+    k, v = k[:, :4, :1], v[:, :4, :1]
+    for factor in (0.01, 30.0):  # tiny scores leave the exponent size (lse ~ log 4); large ones their terms
+        terms, exponent = 0.0, 1.0
+        for h in range(2):
+            hidden = numpy.triu(numpy.ones((5, 4), bool), 4 - 5 + 1)  # key j > i + (4 - 5)
+            t = 0.7 * numpy.abs(factor * q[0, :, h]) @ numpy.abs(k[0, :, 0]).T
+            s = 0.7 * (factor * q[0, :, h]) @ k[0, :, 0].T
+            terms = max(terms, numpy.where(hidden, 0.0, t).max())
+            s[hidden] = -numpy.inf
+            lse = scipy.special.logsumexp(s, axis=1)  # -inf for the first row, which sees no key
+            exponent = max(exponent, numpy.abs(s[numpy.isfinite(s)]).max(), numpy.abs(lse[numpy.isfinite(lse)]).max())
+        got = reference.lse_term_magnitude(factor * q, k, v, causal=True, scale=0.7)
+        assert got == pytest.approx(max(terms, exponent), rel=1e-12)
+        if factor < 1:
+            assert terms < 1.0 <= exponent  # the exponent size decides
+        assert got >= reference.gradient_exponent_size(factor * q, k, v, causal=True, scale=0.7)
+    # Terms that cancel: the score is 0 (lse 0) while each of its two terms is 10.
+    one = numpy.ones((1, 1, 1, 2))
+    assert reference.lse_term_magnitude(one, one * numpy.array([1.0, -1.0]), one, scale=10.0) == 20.0
+
+
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_public_attention_falls_back_to_tiled_numpy_without_gpu(rng, dtype):
