@@ -8,6 +8,7 @@ shares their memory and orders their producer stream before CuPy's current strea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import sys
 
@@ -31,6 +32,14 @@ class Origin:
     device_id: int = -1  # CUDA device ordinal when on_gpu
 
 
+_NUMPY = Origin("numpy", on_gpu=False)
+
+
+@functools.cache
+def _cupy_origin(device_id: int) -> Origin:
+    return Origin("cupy", device_id=device_id)
+
+
 def _cupy_ndarray_type():
     cupy = sys.modules.get("cupy")  # an array cannot be a CuPy array unless CuPy was imported
     return cupy.ndarray if cupy is not None else None
@@ -39,10 +48,10 @@ def _cupy_ndarray_type():
 def classify(x, arg: str) -> Origin:
     """Where x lives and what it is, read without touching its data; TypeError for non-arrays."""
     if isinstance(x, numpy.ndarray):
-        return Origin("numpy", on_gpu=False)
+        return _NUMPY
     cupy_ndarray = _cupy_ndarray_type()
     if cupy_ndarray is not None and isinstance(x, cupy_ndarray):
-        return Origin("cupy", device_id=x.device.id)
+        return _cupy_origin(x.data.device_id)
     if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
         raise TypeError(
             f"{arg} must be an array (numpy.ndarray, cupy.ndarray, or a GPU array with __dlpack__ "
@@ -59,6 +68,8 @@ def classify(x, arg: str) -> Origin:
 
 def check_placement(origins: dict) -> None:
     """All arrays on the host, or all on one GPU."""
+    if len({(o.on_gpu, o.device_id) for o in origins.values()}) == 1:  # every call's path
+        return
     names = list(origins)
     listed = ", ".join(names[:-1]) + " and " + names[-1]
     on_gpu = {name: o.on_gpu for name, o in origins.items()}
@@ -66,9 +77,8 @@ def check_placement(origins: dict) -> None:
         where = ", ".join(f"{n} on the {'GPU' if g else 'host'}" for n, g in on_gpu.items())
         raise ValueError(f"{listed} must all be on the GPU or all on the host; got {where}")
     devices = {name: o.device_id for name, o in origins.items()}
-    if all(on_gpu.values()) and len(set(devices.values())) > 1:
-        where = ", ".join(f"{n} on GPU {d}" for n, d in devices.items())
-        raise ValueError(f"{listed} must be on the same GPU; got {where}")
+    where = ", ".join(f"{n} on GPU {d}" for n, d in devices.items())
+    raise ValueError(f"{listed} must be on the same GPU; got {where}")
 
 
 def ingest(x, origin: Origin, arg: str):

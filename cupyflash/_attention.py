@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import numpy
 
 from cupyflash import _arrays, _dropout, _instantiations, _tma, _validation, reference
+from cupyflash._block_mask import BlockMask
 
 
 def gpu_available() -> bool:
@@ -183,16 +185,88 @@ def _attention(
 ):
     given = {"q": q, "k": k, "v": v}
     arrays, origins = _ingest_arrays(given)
-    problem = _validation.check_attention_args(
-        arrays["q"], arrays["k"], arrays["v"], causal=causal, scale=scale, return_lse=return_lse, window=window,
-        softcap=softcap,
-    )
-    problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), problem)
-    if block_mask is not None:
-        problem = _validation.check_block_mask(block_mask, problem)
-    problem = _validation.check_seqlens_k(_ingest_side_array(seqlens_k, "seqlens_k", origins["q"]), problem)
-    problem = _validation.check_dropout(*dropout, problem)
+    problem = _call_problem(
+        "forward", arrays, origins, (causal, scale, return_lse, window, softcap),
+        lambda: _validation.check_attention_args(arrays["q"], arrays["k"], arrays["v"], causal=causal, scale=scale,
+                                                 return_lse=return_lse, window=window, softcap=softcap),
+        block_mask, alibi_slopes, seqlens_k, dropout)
     return _run_forward(arrays, origins, problem)
+
+
+def _call_problem(direction: str, arrays: dict, origins: dict, options: tuple, check_arrays, block_mask, alibi_slopes,
+                  seqlens_k, dropout) -> _validation.AttentionProblem:
+    """A call's checked problem: check_arrays() (the arrays and `options`), then the ALiBi slopes,
+    the block mask and seqlens_k, through the cache of checked problems where the call has a key
+    (`_checked_problem`); then dropout's probability, seed and offset."""
+
+    def check():
+        problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), check_arrays())
+        if block_mask is not None:
+            problem = _validation.check_block_mask(block_mask, problem)
+        return _validation.check_seqlens_k(_ingest_side_array(seqlens_k, "seqlens_k", origins["q"]), problem)
+
+    key = None
+    if alibi_slopes is None and seqlens_k is None:
+        key = _call_key(direction, arrays.values(), options)
+    return _validation.check_dropout(*dropout, _checked_problem(key, block_mask, check))
+
+
+# --------------------------------------------------------------------------- checked problems
+# A training or inference loop calls with the same shapes, strides, dtypes and options again and
+# again, and the checks (with the parameter images the launches then build from the problem) were
+# most of a call's host time (benchmarks/NOTES.md, session 38). The checks read nothing else, so a
+# call whose key passed them once passes them again: `_checked_problem` gives back the problem
+# object of the first such call, whose `memo` keeps what the launches derived from it. Dropout's
+# seed and offset change from call to call and are checked apart; ALiBi slopes and seqlens_k (arrays,
+# whose values matter) and unhashable options leave a call without a key, checked every time.
+_CHECKED: dict = {}  # call key -> AttentionProblem, calls without a block mask
+_CHECKED_KEPT = 256  # problems kept per cache (this one, and each BlockMask's), oldest dropped first
+_CHECKED_LOCK = threading.Lock()
+
+
+def _call_key(direction: str, arrays, options: tuple):
+    """The key of a call's checks: direction, each array's type, shape, strides and dtype, and the
+    options (`option_key`); None where an option cannot be hashed."""
+    try:
+        return (direction, tuple((type(x), x.shape, x.strides, x.dtype) for x in arrays), option_key(options))
+    except TypeError:
+        return None
+
+
+def option_key(value):
+    """value as a hashable key that tells apart values which compare equal across types (causal=1,
+    refused, against True; scale=True against 1.0), inside tuples too; TypeError where unhashable."""
+    if type(value) is tuple:
+        return tuple(option_key(x) for x in value)
+    hash(value)
+    return (type(value), value)
+
+
+def _checked_problem(key, block_mask, check) -> _validation.AttentionProblem:
+    """check()'s problem, the same object for every call with this key (and this block mask); a
+    call without a key (None) is checked every time. Problems with a mask are kept by the mask,
+    without it: a copy that `_with_block_mask` completes on each call, sharing its memo."""
+    if key is None or not (block_mask is None or isinstance(block_mask, BlockMask)):
+        return check()  # (a block_mask of another type is refused there)
+    cache = _CHECKED if block_mask is None else block_mask._checked_problems
+    problem = cache.get(key)
+    if problem is not None:
+        return problem if block_mask is None else _with_block_mask(problem, block_mask)
+    problem = check()
+    with _CHECKED_LOCK:
+        if len(cache) >= _CHECKED_KEPT:
+            cache.pop(next(iter(cache)))
+        cache[key] = problem if block_mask is None else _with_block_mask(problem, None)
+    return problem
+
+
+def _with_block_mask(p: _validation.AttentionProblem, block_mask) -> _validation.AttentionProblem:
+    """p with another block_mask, sharing p's memo (dataclasses.replace starts a new memo, and costs
+    ~10 us on every call's path)."""
+    copy = object.__new__(type(p))
+    copy.__dict__.update(p.__dict__)
+    copy.__dict__["block_mask"] = block_mask
+    return copy
 
 
 def _ingest_arrays(given: dict) -> tuple[dict, dict]:
@@ -408,7 +482,7 @@ def _params(dtype: numpy.dtype, fields: dict) -> numpy.ndarray:
 def _launch(kernel, device_id: int, grid, params: numpy.ndarray, *more: numpy.ndarray) -> None:
     """Launches `kernel` with its parameter struct (`more`: byte images of further by-value
     arguments, such as the forward's tensor maps)."""
-    import cupy.cuda.function
+    from cupy.cuda.function import CPointer
 
     from cupyflash import _compile
 
@@ -416,7 +490,7 @@ def _launch(kernel, device_id: int, grid, params: numpy.ndarray, *more: numpy.nd
     # The struct goes by address: CuPy's by-value path for a NumPy record rebuilds its
     # __array_interface__ (the whole field description) on every launch, about 50 us for BwdParams.
     # The arrays outlive the call, and the launch copies the bytes.
-    arguments = tuple(cupy.cuda.function.CPointer(x.ctypes.data) for x in (params, *more))
+    arguments = tuple(CPointer(x.ctypes.data) for x in (params, *more))
     function(grid, (kernel.num_threads,), arguments, shared_mem=kernel.smem_bytes)
 
 
@@ -524,22 +598,34 @@ def launch_forward(
     `kernel` (an _instantiations.FwdKernel, TcFwdKernel or WgmmaFwdKernel) defaults to `forward_kernel`'s.
     A TMA build becomes its cp.async twin where K's or V's layout has no tensor map (_tma.py), and
     the warp-specialised kernel the TMA build where Q's, K's, V's or O's has none."""
-    kernel = kernel or forward_kernel(p, q.device.id, tensor_cores, wgmma)
-    fields = {"lse": lse.data.ptr}
-    fields["lse_batch_stride"], fields["lse_head_stride"] = _row_statistics_strides(p)
-    for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
-        _pointer_and_strides(fields, name, x)
-    keep_alive = _problem_fields(fields, p, q.device.id)  # noqa: F841 - until the launch is queued
+    device_id = q.device.id
+    kernel = kernel or forward_kernel(p, device_id, tensor_cores, wgmma)
+    pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr}
+
+    def static_fields():
+        fields = {}
+        fields["lse_batch_stride"], fields["lse_head_stride"] = _row_statistics_strides(p)
+        for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
+            _pointer_and_strides(fields, name, x)
+        return fields, _problem_fields(fields, p, device_id)
+
+    # keep_alive: the ALiBi slopes and sequence lengths the struct points to, until the launch is queued
+    record, keep_alive = _launch_record(  # noqa: F841
+        p, ("forward", device_id, q.strides, k.strides, v.strides, out.strides), _instantiations.FWD_PARAMS_DTYPE,
+        pointers, static_fields)
     if isinstance(kernel, _instantiations.WgmmaFwdWsKernel):
-        maps = _tma.fwd_ws_tensor_maps(fields, (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group),
-                                       p.dtype_name, p.head_dim, kernel.tile.block_m, kernel.tile.block_n,
-                                       kernel.o_box_rows)
+        tile = kernel.tile
+        maps = record.tensor_maps(
+            ("ws", tile.block_m, tile.block_n, kernel.o_box_rows, *(pointers[name] for name in "qkvo")),
+            lambda fields: _tma.fwd_ws_tensor_maps(
+                fields, (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group), p.dtype_name,
+                p.head_dim, tile.block_m, tile.block_n, kernel.o_box_rows),
+            pointers)
         if maps is not None:
-            params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
             n_tiles = numpy.array(kernel.n_tiles(p.batch, p.heads, p.seqlen_q), numpy.int32)
-            claims = numpy.array(zeroed_counters(q.device.id, 1).data.ptr, numpy.uint64)
-            grid = kernel.grid(p.batch, p.heads, p.seqlen_q, sm_count=_sm_count(q.device.id))
-            _launch(kernel, q.device.id, grid, params, maps, n_tiles, claims)
+            claims = numpy.array(zeroed_counters(device_id, 1).data.ptr, numpy.uint64)
+            grid = kernel.grid(p.batch, p.heads, p.seqlen_q, sm_count=_sm_count(device_id))
+            _launch(kernel, device_id, grid, record.params(pointers), maps, n_tiles, claims)
             return
         kernel = _instantiations.fwd_kernel(p.dtype_name, p.head_dim, False, True, kernel.block_sparse, wgmma=True,
                                             tma=True)
@@ -547,13 +633,64 @@ def launch_forward(
     if kernel.source_file == "flash_fwd_tc.cu":
         maps = None
         if getattr(kernel, "tma", False):
-            dims = (p.batch, p.seqlen_k, p.heads // p.kv_group)
-            maps = _tma.kv_tensor_maps(fields, dims, p.dtype_name, p.head_dim, kernel.tile.block_n)
+            block_n = kernel.tile.block_n
+            maps = record.tensor_maps(
+                ("kv", block_n, pointers["k"], pointers["v"]),
+                lambda fields: _tma.kv_tensor_maps(fields, (p.batch, p.seqlen_k, p.heads // p.kv_group), p.dtype_name,
+                                                   p.head_dim, block_n),
+                pointers)
             if maps is None:
                 kernel = _instantiations.without_tma(kernel)
         more = (_tma.NO_MAPS if maps is None else maps,)
-    params = _params(_instantiations.FWD_PARAMS_DTYPE, fields)
-    _launch(kernel, q.device.id, kernel.grid(p.batch, p.heads, p.seqlen_q), params, *more)
+    _launch(kernel, device_id, kernel.grid(p.batch, p.heads, p.seqlen_q), record.params(pointers), *more)
+
+
+class _LaunchRecord:
+    """A launch's parameter struct with every field but its array pointers filled in, from which
+    each call's struct is a copy with the call's pointers written in; and the tensor maps made for
+    the pointers seen lately (a map holds its array's address). Kept in the problem's memo."""
+
+    _MAPS_KEPT = 8
+
+    def __init__(self, dtype: numpy.dtype, fields: dict, pointer_names: tuple):
+        self.dtype = dtype
+        self.fields = fields  # pointers as given at first: the map makers take theirs from `pointers`
+        image = _params(dtype, fields)
+        self.image = image.view(numpy.uint64)  # the structs are 8-byte multiples; pointers 8-aligned
+        self.slots = tuple((name, dtype.fields[name][1] // 8) for name in pointer_names)
+        self.maps: dict = {}
+
+    def params(self, pointers: dict) -> numpy.ndarray:
+        """The struct (a one-element record of `dtype`) with these pointers."""
+        image = self.image.copy()
+        for name, slot in self.slots:
+            image[slot] = pointers[name]
+        return image.view(self.dtype)
+
+    def tensor_maps(self, key: tuple, make, pointers: dict):
+        """make(fields)'s maps (or None) for `key`, which must hold every pointer they describe."""
+        if key in self.maps:
+            return self.maps[key]
+        if len(self.maps) >= self._MAPS_KEPT:
+            self.maps.clear()
+        maps = self.maps[key] = make({**self.fields, **pointers})
+        return maps
+
+
+def _launch_record(p: _validation.AttentionProblem, key: tuple, dtype: numpy.dtype, pointers: dict, static_fields):
+    """The problem's `_LaunchRecord` for `key` (the launch's kind, device and arrays' strides):
+    from its memo, or made from static_fields() -> (fields, arrays to keep alive) and kept there.
+    Problems with ALiBi slopes or sequence lengths (device arrays made per call) are not memoised.
+    Returns (record, the arrays its struct points to, which must live until the launch is queued)."""
+    memoised = p.alibi_slopes is None and p.cu_seqlens is None and p.seqlens_k is None
+    record = p.memo.get(key) if memoised else None
+    if record is not None:
+        return record, None
+    fields, keep_alive = static_fields()
+    record = _LaunchRecord(dtype, {**fields, **pointers}, tuple(pointers))
+    if memoised:
+        p.memo[key] = record
+    return record, keep_alive
 
 
 # --------------------------------------------------------------------------- dropout
@@ -789,14 +926,11 @@ def _attention_backward(
 ):
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     arrays, origins = _ingest_arrays(given)
-    problem = _validation.check_backward_args(
-        *arrays.values(), causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap
-    )
-    problem = _validation.check_alibi_slopes(_ingest_slopes(alibi_slopes, origins["q"]), problem)
-    if block_mask is not None:
-        problem = _validation.check_block_mask(block_mask, problem)
-    problem = _validation.check_seqlens_k(_ingest_side_array(seqlens_k, "seqlens_k", origins["q"]), problem)
-    problem = _validation.check_dropout(*dropout, problem)
+    problem = _call_problem(
+        "backward", arrays, origins, (causal, scale, deterministic, window, softcap),
+        lambda: _validation.check_backward_args(*arrays.values(), causal=causal, scale=scale,
+                                                deterministic=deterministic, window=window, softcap=softcap),
+        block_mask, alibi_slopes, seqlens_k, dropout)
     return _run_backward(arrays, origins, problem)
 
 
@@ -884,20 +1018,30 @@ def launch_backward(
     # Cleared by the preprocess kernel, which reads its rows anyway (flash_bwd.cu).
     dq_accum = None if p.deterministic else cupy.empty((p.total_q, p.heads, p.head_dim), accum)
 
-    fields = {"lse": lse.data.ptr, "lse_log2": lse_log2.data.ptr, "d": d.data.ptr, "scale": p.scale}
-    for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
-        _pointer_and_strides(fields, name, x)
-    lse_strides = [stride // lse.dtype.itemsize for stride in lse.strides]
-    if p.cu_seqlens is not None:  # (heads, total_q): a sequence's first row stands for its batch index
-        lse_strides = [lse_strides[1], lse_strides[0], lse_strides[1]]
-    for name, stride in zip(("batch", "head", "row"), lse_strides):
-        fields[f"lse_{name}_stride"] = stride
-    fields["stats_batch_stride"], fields["stats_head_stride"] = _row_statistics_strides(p)
-    rows_per_batch = 1 if p.cu_seqlens is not None else p.seqlen_q
-    fields["dq_accum_batch_stride"] = rows_per_batch * p.heads * p.head_dim
-    fields["dq_accum"] = 0 if dq_accum is None else dq_accum.data.ptr
-    keep_alive = _problem_fields(fields, p, device_id)  # noqa: F841 - until the launches are queued
-    params = _params(_instantiations.BWD_PARAMS_DTYPE, fields)
+    pointers = {"lse": lse.data.ptr, "lse_log2": lse_log2.data.ptr, "d": d.data.ptr,
+                "dq_accum": 0 if dq_accum is None else dq_accum.data.ptr}
+    named = (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv))
+    pointers.update((name, x.data.ptr) for name, x in named)
+
+    def static_fields():
+        fields = {"scale": p.scale}
+        for name, x in named:
+            _pointer_and_strides(fields, name, x)
+        lse_strides = [stride // lse.dtype.itemsize for stride in lse.strides]
+        if p.cu_seqlens is not None:  # (heads, total_q): a sequence's first row stands for its batch index
+            lse_strides = [lse_strides[1], lse_strides[0], lse_strides[1]]
+        for name, stride in zip(("batch", "head", "row"), lse_strides):
+            fields[f"lse_{name}_stride"] = stride
+        fields["stats_batch_stride"], fields["stats_head_stride"] = _row_statistics_strides(p)
+        rows_per_batch = 1 if p.cu_seqlens is not None else p.seqlen_q
+        fields["dq_accum_batch_stride"] = rows_per_batch * p.heads * p.head_dim
+        return fields, _problem_fields(fields, p, device_id)
+
+    # keep_alive: the ALiBi slopes and sequence lengths the struct points to, until the launches are queued
+    record, keep_alive = _launch_record(  # noqa: F841
+        p, ("backward", device_id, lse.strides, *(x.strides for _, x in named)), _instantiations.BWD_PARAMS_DTYPE,
+        pointers, static_fields)
+    params = record.params(pointers)
 
     def launch(kernel):
         seqlen_k = p.seqlen_k
@@ -915,15 +1059,23 @@ def launch_backward(
             maps = None
             if getattr(kernel, "tma", False):
                 if dq_accum is not None and p.cu_seqlens is None:
-                    maps = _tma.bwd_tensor_maps(fields, dq_accum.data.ptr, (p.batch, p.seqlen_q, p.heads),
-                                                p.dtype_name, p.head_dim, kernel.tile.block_m)
+                    block_m = kernel.tile.block_m
+                    maps = record.tensor_maps(
+                        ("dq q dout", block_m, pointers["dq_accum"], pointers["q"], pointers["dout"]),
+                        lambda fields: _tma.bwd_tensor_maps(fields, fields["dq_accum"], (p.batch, p.seqlen_q, p.heads),
+                                                            p.dtype_name, p.head_dim, block_m),
+                        pointers)
                 if maps is None:
                     kernel = _instantiations.without_tma(kernel)
             more = (_tma.NO_BWD_MAPS if maps is None else maps,)
             kv_maps = None
             if getattr(kernel, "ws", False):  # K's and V's maps, or the one-block TMA build
-                kv_maps = _tma.kv_tensor_maps(fields, (p.batch, p.seqlen_k, heads), p.dtype_name, p.head_dim,
-                                              kernel.tile.block_n)
+                block_n = kernel.tile.block_n
+                kv_maps = record.tensor_maps(
+                    ("k v", block_n, heads, pointers["k"], pointers["v"]),
+                    lambda fields: _tma.kv_tensor_maps(fields, (p.batch, p.seqlen_k, heads), p.dtype_name, p.head_dim,
+                                                       block_n),
+                    pointers)
                 if kv_maps is None:
                     kernel = dataclasses.replace(kernel, ws=False)
             if kv_maps is not None:  # and the key tiles per (K/V head, batch), all of them, and a counter

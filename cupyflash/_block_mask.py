@@ -63,7 +63,11 @@ class BlockMask:
         self.key_order = numpy.ascontiguousarray(numpy.argsort(-self.q_count, axis=-1, kind="stable"), numpy.int32)
         for array in (self.kv_count, self.kv_index, self.q_count, self.q_index, self.key_order):
             array.setflags(write=False)
+        self._nonzero = int(self.kv_count.sum())
         self._on_device = {}
+        # Calls' checked problems with this mask (`_attention._checked_problem`), kept here rather
+        # than in a global cache so that they go when the mask goes. They hold no reference to it.
+        self._checked_problems = {}
 
     # ------------------------------------------------------------------ constructors
 
@@ -180,7 +184,7 @@ class BlockMask:
     @property
     def nonzero(self) -> int:
         """Number of nonzero blocks."""
-        return int(self.kv_count.sum())
+        return self._nonzero
 
     @property
     def density(self) -> float:

@@ -157,11 +157,10 @@ def _step_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, options):
     if cache_seqlens is not None and (cache_seqlens.dtype != numpy.int32 or not cache_seqlens.flags.c_contiguous):
         return None  # the checks convert these: the kernels read int32 lengths one after the other
     try:
-        hash(options)
+        options = _attention.option_key(options)  # (types: causal=1 is refused where True is not)
     except TypeError:  # e.g. a window given as a list
         return None
-    layout = tuple(None if x is None else (x.shape, x.strides, x.dtype, x.device.id) for x in arrays)
-    return layout + tuple((type(o), o) for o in options)  # (type: causal=1 is refused where True is not)
+    return tuple(None if x is None else (x.shape, x.strides, x.dtype, x.device.id) for x in arrays) + options
 
 
 def _decode_cpu(q, k, v, d: _validation.DecodeProblem):

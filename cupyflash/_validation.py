@@ -62,7 +62,7 @@ class AttentionProblem:
     window: tuple | None = None  # (left, right), each an int >= 0 or None (unbounded); None: no window
     softcap: float | None = None  # scores -> softcap·tanh(scores / softcap); None: no softcap
     # ALiBi slopes, (batch or 1, heads), NumPy or CuPy as given (checked by check_alibi_slopes); None:
-    # none. Left out of == (arrays do not compare to a bool); nothing caches on problems.
+    # none. Left out of == (arrays do not compare to a bool); no cache keys on problems' values.
     alibi_slopes: object = dataclasses.field(default=None, compare=False, repr=False)
     # Variable-length batches (check_varlen_args): (cu_seqlens_q, cu_seqlens_k) as checked host int32
     # arrays; batch is their number of sequences, seqlen_q/seqlen_k the longest (max_seqlen_*), and
@@ -75,6 +75,10 @@ class AttentionProblem:
     dropout_p: float = 0.0
     seed: int = 0
     offset: int = 0
+    # What the launches derive from this problem object alone (parameter images, tensor maps), kept
+    # for the next call that gets the same object back from `_attention`'s cache of checked problems.
+    # Not an init field: dataclasses.replace gives the new problem an empty one.
+    memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def varlen(self) -> bool:
@@ -332,6 +336,9 @@ def check_alibi_slopes(slopes, problem: AttentionProblem) -> AttentionProblem:
 
 def check_dropout(dropout_p, seed, offset, problem: AttentionProblem) -> AttentionProblem:
     """The problem with dropout (`check_dropout_args`)."""
+    if type(dropout_p) is float and dropout_p == 0.0 and seed is None and type(offset) is int and offset == 0:
+        if (problem.dropout_p, problem.seed, problem.offset) == (0.0, 0, 0):  # no dropout: every call's path
+            return problem
     dropout_p, seed, offset = check_dropout_args(dropout_p, seed, offset)
     if (dropout_p, seed, offset) == (problem.dropout_p, problem.seed, problem.offset):
         return problem  # dataclasses.replace costs ~10 us, and this is on every call's path

@@ -1,0 +1,132 @@
+"""The cache of checked problems (`_attention._checked_problem`) and the launches' parameter
+records: what a repeated call may skip, and what it may not. Runs anywhere (the CPU fallback
+without a GPU, the kernels with one)."""
+
+import gc
+import weakref
+
+import numpy
+import pytest
+
+import cupyflash
+from cupyflash import BlockMask, _attention, _instantiations, _validation, reference
+from shapes import random_qkv
+
+
+class CountingDict(dict):
+    """A cache that counts its insertions: one per call that missed it and was checked."""
+
+    def __init__(self):
+        super().__init__()
+        self.inserted = 0
+
+    def __setitem__(self, key, value):
+        self.inserted += 1
+        super().__setitem__(key, value)
+
+
+@pytest.fixture
+def cache(monkeypatch):
+    """An empty cache of checked problems (calls without a block mask) that counts its misses."""
+    empty = CountingDict()
+    monkeypatch.setattr(_attention, "_CHECKED", empty)
+    return empty
+
+
+def test_option_keys_tell_types_apart():
+    key = _attention.option_key
+    assert key(True) != key(1) and key(1) != key(1.0) and key(True) != key(numpy.True_)
+    assert key((1, None)) != key((True, None)) and key((1, None)) == key((1, None))
+    assert key((0.5, (2, None))) != key((0.5, (2.0, None)))
+    with pytest.raises(TypeError):
+        key([1, None])
+
+
+def test_a_repeated_call_is_checked_once_and_reads_its_own_arrays(rng, cache):
+    shape = (2, 37, 53, 3, 24)
+    for _ in range(3):
+        q, k, v = random_qkv(rng, "float64", *shape)
+        out = cupyflash.attention(q, k, v, causal=True, scale=0.4)
+        numpy.testing.assert_allclose(out, reference.attention(q, k, v, causal=True, scale=0.4), rtol=1e-10, atol=1e-12)
+    assert cache.inserted == 1
+    cupyflash.attention(q, k, v, causal=False, scale=0.4)  # another option: another key
+    cupyflash.attention(q[:, :30], k, v, causal=True, scale=0.4)  # another shape, and strides
+    assert cache.inserted == 3
+
+
+@pytest.mark.parametrize("good,bad,error", [
+    ({"causal": True}, {"causal": 1}, "causal must be True or False"),
+    ({"scale": 1.0}, {"scale": True}, "scale must be a real number"),
+    ({"window": (1, None)}, {"window": (True, None)}, "window's left side must be an int"),
+    ({"return_lse": False}, {"return_lse": 0}, "return_lse must be True or False"),
+])
+def test_a_cached_key_lets_no_bad_option_through(rng, cache, good, bad, error):
+    """Values that compare equal to a checked one (1 == True == 1.0) are keyed apart and refused."""
+    q, k, v = random_qkv(rng, "float32", 1, 9, 9, 2, 16)
+    cupyflash.attention(q, k, v, **good)
+    with pytest.raises(TypeError, match=error):
+        cupyflash.attention(q, k, v, **bad)
+
+
+def test_unhashable_options_are_checked_every_time(rng, cache):
+    q, k, v = random_qkv(rng, "float32", 1, 9, 9, 2, 16)
+    for _ in range(2):
+        cupyflash.attention(q, k, v, window=[3, 0])
+    assert cache.inserted == 0
+
+
+def test_a_masks_problems_stay_with_the_mask_and_go_with_it(rng, cache):
+    """Kept by the mask, not globally, and holding no reference to it: the mask is freed as soon
+    as the caller drops it (no cycle waiting for the garbage collector)."""
+    q, k, v = random_qkv(rng, "float32", 1, 200, 300, 2, 16)
+    mask = BlockMask(numpy.array([[[True, False, True], [False, True, True]]] * 2))
+    for _ in range(2):
+        out = cupyflash.block_sparse_attention(q, k, v, mask)
+    exact = reference.attention(*(x.astype(numpy.float64) for x in (q, k, v)), block_mask=mask)
+    numpy.testing.assert_allclose(out, exact, atol=2e-5)
+    assert cache.inserted == 0 and len(mask._checked_problems) == 1
+    assert all(p.block_mask is None for p in mask._checked_problems.values())
+    other = BlockMask(mask.to_dense())  # equal, but another object: checked for itself
+    cupyflash.block_sparse_attention(q, k, v, other)
+    assert len(other._checked_problems) == 1
+    dropped = weakref.ref(mask)
+    gc.disable()
+    try:
+        del mask
+        assert dropped() is None
+    finally:
+        gc.enable()
+
+
+def test_a_wrong_mask_is_refused_after_a_good_one(rng, cache):
+    q, k, v = random_qkv(rng, "float32", 1, 200, 300, 2, 16)
+    cupyflash.block_sparse_attention(q, k, v, BlockMask(numpy.ones((2, 2, 3), bool)))
+    with pytest.raises(ValueError, match="block_mask has 2 x 2 blocks"):
+        cupyflash.block_sparse_attention(q, k, v, BlockMask(numpy.ones((2, 2, 2), bool)))
+    with pytest.raises(TypeError, match="block_mask must be a cupyflash.BlockMask"):
+        cupyflash.block_sparse_attention(q, k, v, numpy.ones((2, 2, 3), bool))
+
+
+def test_the_cache_keeps_a_bounded_number_of_problems(rng, cache, monkeypatch):
+    monkeypatch.setattr(_attention, "_CHECKED_KEPT", 3)
+    for seqlen in range(1, 6):
+        q, k, v = random_qkv(rng, "float32", 1, seqlen, 4, 1, 8)
+        cupyflash.attention(q, k, v)
+    assert len(_attention._CHECKED) == 3
+
+
+@pytest.mark.parametrize("dtype,pointers", [
+    (_instantiations.FWD_PARAMS_DTYPE, ("q", "k", "v", "o", "lse")),
+    (_instantiations.BWD_PARAMS_DTYPE, ("lse", "lse_log2", "d", "dq_accum", "q", "k", "v", "o", "dout", "dq", "dk", "dv")),
+])
+def test_a_launch_record_writes_each_calls_pointers(rng, dtype, pointers):
+    """The struct a record gives for new pointers holds, field by field, the struct built from scratch
+    (the padding between fields is left as it comes)."""
+    fields = {name: int(x) for name, x in zip(dtype.names, rng.integers(0, 2**31, len(dtype.names)))}
+    record = _attention._LaunchRecord(dtype, fields, pointers)
+    for _ in range(2):
+        new = {name: int(x) for name, x in zip(pointers, rng.integers(0, 2**63, len(pointers), dtype=numpy.uint64))}
+        made = record.params(new)
+        assert made.dtype == dtype and made.shape == (1,)
+        assert made[0].tolist() == _attention._params(dtype, {**fields, **new})[0].tolist()
+    assert record.params(fields)[0].tolist() == _attention._params(dtype, fields)[0].tolist()
