@@ -92,3 +92,14 @@ def test_dropout_seeds_change_between_repeated_calls(rng, checks):
     plain = cupyflash.attention(q, k, v)
     assert bool((first == again).all()) and not bool((first == other).all()) and not bool((first == plain).all())
     assert checks["forward"] == 1
+
+
+def test_a_decode_step_key_lets_no_bad_window_through(rng):
+    """attention_decode keeps its own cache of checked steps, keyed the same way: a window side of
+    True after the same window with 1 is refused, not taken for the cached step."""
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "bfloat16", 2, 1, 300, 2, 64))
+    cupyflash.attention_decode(q, k, v, cupy.asarray(numpy.array([200, 300], numpy.int32)), window=(1, None))
+    with pytest.raises(TypeError, match="window's left side must be an int"):
+        cupyflash.attention_decode(q, k, v, cupy.asarray(numpy.array([200, 300], numpy.int32)), window=(True, None))
