@@ -5,7 +5,8 @@
 On a tiny problem (batch 1, seqlen 128, 2 heads, head_dim 128, bfloat16) the GPU work is a few
 microseconds, so 2000 back-to-back calls run at the host's pace: the wall time per call is the
 launch overhead (validation, argument packing, kernel launches). PyTorch SDPA's forward on the
-same tensors is printed for scale; with --profile, the top functions of a cProfile run follow.
+same tensors is printed for scale, and cupyflash.torch's forward (the adapter) beside it; with
+--profile, the top functions of a cProfile run follow.
 """
 
 import argparse
@@ -29,6 +30,8 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-gc", action="store_true", help="with Python's cyclic garbage collector off")
+    ap.add_argument("--sort", default="tottime", help="the profile's order: tottime (default) or cumulative")
+    ap.add_argument("--only", help="time (and profile) only the calls whose name contains this")
     args = ap.parse_args(argv)
     rs = cupy.random.default_rng(0)
     q, k, v, dout = (rs.standard_normal((1, 128, 2, 128), dtype=numpy.float32).astype(BFLOAT16) for _ in range(4))
@@ -43,13 +46,20 @@ def main(argv=None):
     try:
         import torch
 
+        import cupyflash.torch
+
         qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
         calls["torch sdpa forward"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
+        # The adapter on (batch, seq, heads, head_dim) tensors: DLPack in and out, torch's stream.
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+        calls["cupyflash.torch forward"] = lambda: cupyflash.torch.attention(tq, tk, tv)
     except ImportError:
         print("# torch not installed: no SDPA line")
     if args.no_gc:
         gc.disable()
     for name, fn in calls.items():
+        if args.only and args.only not in name:
+            continue
         fn()
         cupy.cuda.Device().synchronize()
         start = time.perf_counter()
@@ -61,7 +71,7 @@ def main(argv=None):
             profile = cProfile.Profile()
             profile.runcall(lambda: [fn() for _ in range(500)])
             text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
+            pstats.Stats(profile, stream=text).sort_stats(args.sort).print_stats(14 if args.sort == "tottime" else 40)
             print(text.getvalue())
     return 0
 

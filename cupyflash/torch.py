@@ -6,9 +6,9 @@
 
 Tensors have the layout of `cupyflash.attention`: (batch, seq, heads, head_dim); a
 (batch, heads, seq, head_dim) tensor passes as ``x.transpose(1, 2)`` without a copy. CUDA tensors
-go through DLPack without copies and run on PyTorch's current stream of their device; CPU
-tensors take `cupyflash.attention`'s host path. Importing this module imports torch, which
-cupyflash does not otherwise need.
+are read in place and the kernels run on PyTorch's current stream of their device; results come
+back through DLPack, without copies. CPU tensors take `cupyflash.attention`'s host path.
+Importing this module imports torch, which cupyflash does not otherwise need.
 """
 
 from __future__ import annotations
@@ -16,11 +16,16 @@ from __future__ import annotations
 import contextlib
 import numbers
 
+import numpy
 import torch
 
 from cupyflash import _arrays, _attention
+from cupyflash._validation import BFLOAT16
 
 __all__ = ["attention", "attention_varlen", "FlashAttentionFunction", "FlashAttentionVarlenFunction"]
+
+_CUPY_DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BFLOAT16, torch.float32: numpy.float32,
+                torch.float64: numpy.float64}
 
 
 def attention(
@@ -59,6 +64,31 @@ def _seed_for(dropout_p, seed):
     return seed
 
 
+def _as_cupy(x):
+    """A CUDA tensor of a supported dtype as a CuPy array on its memory (which the array keeps
+    alive), other tensors as they are (the generic path: DLPack, and its checks).
+
+    Not DLPack: its import asks torch for the current stream and orders it before CuPy's, in Python,
+    on every tensor (about a third of an adapter call's host time). The adapter runs on torch's
+    current stream (`_on_torch_stream`), so that ordering holds already."""
+    dtype = _CUPY_DTYPES.get(x.dtype)
+    if dtype is None or not x.is_cuda or x.numel() == 0:
+        return x
+    import cupy
+
+    itemsize = x.element_size()
+    shape, strides = tuple(x.shape), x.stride()
+    extent = itemsize * (1 + sum((n - 1) * stride for n, stride in zip(shape, strides)))
+    memory = cupy.cuda.UnownedMemory(x.data_ptr(), extent, x, x.device.index)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        strides=tuple(stride * itemsize for stride in strides))
+
+
+def _as_torch(x):
+    """A result as a torch tensor (DLPack, no copy): CuPy arrays of the inputs `_as_cupy` took in."""
+    return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+
+
 def _on_torch_stream(x):
     """CuPy's current stream set to PyTorch's current stream on x's device (nothing for CPU)."""
     if not x.is_cuda:
@@ -84,8 +114,9 @@ class FlashAttentionFunction(torch.autograd.Function):
         if isinstance(alibi_slopes, torch.Tensor):
             alibi_slopes = alibi_slopes.detach()
         with _on_torch_stream(q):
-            out, lse = _attention._attention(q, k, v, causal, scale, True, block_mask, window, softcap, alibi_slopes, None,
-                                             dropout)
+            out, lse = _attention._attention(*map(_as_cupy, (q, k, v)), causal, scale, True, block_mask, window,
+                                             softcap, alibi_slopes, None, dropout)
+            out, lse = _as_torch(out), _as_torch(lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (causal, scale, deterministic, block_mask, window, softcap, alibi_slopes, None, dropout)
         return out
@@ -97,7 +128,8 @@ class FlashAttentionFunction(torch.autograd.Function):
         if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
             dout = dout.contiguous()
         with _on_torch_stream(q):
-            dq, dk, dv = _attention._attention_backward(dout, q, k, v, out, lse, *ctx.options)
+            grads = _attention._attention_backward(*map(_as_cupy, (dout, q, k, v, out, lse)), *ctx.options)
+            dq, dk, dv = map(_as_torch, grads)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
