@@ -669,8 +669,9 @@ class _LaunchRecord:
 
     def tensor_maps(self, key: tuple, make, pointers: dict):
         """make(fields)'s maps (or None) for `key`, which must hold every pointer they describe."""
-        if key in self.maps:
-            return self.maps[key]
+        maps = self.maps.get(key, self)  # one lookup: another thread may clear the dict meanwhile
+        if maps is not self:
+            return maps
         if len(self.maps) >= self._MAPS_KEPT:
             self.maps.clear()
         maps = self.maps[key] = make({**self.fields, **pointers})

@@ -130,3 +130,28 @@ def test_a_launch_record_writes_each_calls_pointers(rng, dtype, pointers):
         assert made.dtype == dtype and made.shape == (1,)
         assert made[0].tolist() == _attention._params(dtype, {**fields, **new})[0].tolist()
     assert record.params(fields)[0].tolist() == _attention._params(dtype, fields)[0].tolist()
+
+
+def test_calls_from_many_threads(rng):
+    """Threads calling with a few shapes at once share the cache (and the launch records on a GPU):
+    every result is its own call's."""
+    import threading
+
+    shapes = [(1, 20, 30, 2, 16), (2, 7, 9, 1, 8), (1, 33, 33, 3, 24)]
+    inputs = [[random_qkv(rng, "float64", *shape) for _ in range(4)] for shape in shapes]
+    failures = []
+
+    def work(index):
+        for round_ in range(12):
+            q, k, v = inputs[(index + round_) % 3][(index * round_) % 4]
+            out = cupyflash.attention(q, k, v, causal=index % 2 == 0)
+            exact = reference.attention(q, k, v, causal=index % 2 == 0)
+            if not numpy.allclose(out, exact, rtol=1e-10, atol=1e-12):
+                failures.append((index, round_))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
