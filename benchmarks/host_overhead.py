@@ -7,6 +7,10 @@ microseconds, so 2000 back-to-back calls run at the host's pace: the wall time p
 launch overhead (validation, argument packing, kernel launches). PyTorch SDPA's forward on the
 same tensors is printed for scale, and cupyflash.torch's forward (the adapter) beside it; with
 --profile, the top functions of a cProfile run follow.
+
+--fresh N: the calls go round N sets of arrays, and each call's results are kept until its set
+comes round again, as a model's layers keep theirs: every call then sees arrays at new addresses
+(new TMA descriptors), where the default loop gets its output back at the address just freed.
 """
 
 import argparse
@@ -32,27 +36,48 @@ def main(argv=None):
     ap.add_argument("--no-gc", action="store_true", help="with Python's cyclic garbage collector off")
     ap.add_argument("--sort", default="tottime", help="the profile's order: tottime (default) or cumulative")
     ap.add_argument("--only", help="time (and profile) only the calls whose name contains this")
+    ap.add_argument("--fresh", type=int, default=1, metavar="N",
+                    help="go round N sets of arrays, keeping each call's results until its set comes round")
     args = ap.parse_args(argv)
     rs = cupy.random.default_rng(0)
-    q, k, v, dout = (rs.standard_normal((1, 128, 2, 128), dtype=numpy.float32).astype(BFLOAT16) for _ in range(4))
-    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    sets = []
+    for _ in range(args.fresh):
+        q, k, v, dout = (rs.standard_normal((1, 128, 2, 128), dtype=numpy.float32).astype(BFLOAT16) for _ in range(4))
+        out, lse = cupyflash.attention(q, k, v, return_lse=True)
+        sets.append((q, k, v, dout, out, lse))
     mask = cupyflash.BlockMask(numpy.ones((2, 1, 1), bool))
+    kept = [None] * args.fresh
+    turn = iter(range(1 << 62))
+
+    def each(call, arrays=sets):
+        """call(*arrays[i]) for the next set i, its result kept until i's next turn (with one set,
+        dropped at once, so that the next call's output takes the address just freed)."""
+        def run():
+            i = next(turn) % args.fresh
+            kept[i] = None
+            result = call(*arrays[i])
+            if args.fresh > 1:
+                kept[i] = result
+        return run
+
     calls = {
-        "attention": lambda: cupyflash.attention(q, k, v, return_lse=True),
-        "attention_backward": lambda: cupyflash.attention_backward(dout, q, k, v, out, lse),
-        "block_sparse fwd": lambda: cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True),
-        "block_sparse bwd": lambda: cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask),
+        "attention": each(lambda q, k, v, dout, out, lse: cupyflash.attention(q, k, v, return_lse=True)),
+        "attention_backward": each(lambda q, k, v, dout, out, lse: cupyflash.attention_backward(dout, q, k, v, out, lse)),
+        "block_sparse fwd": each(lambda q, k, v, dout, out, lse: cupyflash.block_sparse_attention(
+            q, k, v, mask, return_lse=True)),
+        "block_sparse bwd": each(lambda q, k, v, dout, out, lse: cupyflash.block_sparse_attention_backward(
+            dout, q, k, v, out, lse, mask)),
     }
     try:
         import torch
 
         import cupyflash.torch
 
-        qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
-        calls["torch sdpa forward"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
+        tsets = [tuple(torch.from_dlpack(x) for x in s[:3]) for s in sets]
+        calls["torch sdpa forward"] = each(torch.nn.functional.scaled_dot_product_attention,
+                                           [tuple(x.transpose(1, 2) for x in s) for s in tsets])
         # The adapter on (batch, seq, heads, head_dim) tensors: DLPack in and out, torch's stream.
-        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
-        calls["cupyflash.torch forward"] = lambda: cupyflash.torch.attention(tq, tk, tv)
+        calls["cupyflash.torch forward"] = each(cupyflash.torch.attention, tsets)
     except ImportError:
         print("# torch not installed: no SDPA line")
     if args.no_gc:

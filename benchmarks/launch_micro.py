@@ -1,6 +1,7 @@
 """Host cost of the pieces of one kernel launch (a development tool): CuPy's Function call with
 ready arguments, numpy's .ctypes.data, CPointer, cupy.empty, a Device context, and the launch of a
-tiny forward kernel through `_attention._launch`, in microseconds per call.
+tiny forward kernel through `_attention._launch`, and one TMA descriptor's encoding, in microseconds
+per call.
 
     python benchmarks/launch_micro.py
 """
@@ -24,7 +25,7 @@ def main() -> int:
     from cupy.cuda.function import CPointer
 
     import cupyflash
-    from cupyflash import _attention
+    from cupyflash import _attention, _tma
     from cupyflash._validation import BFLOAT16
 
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
@@ -62,6 +63,10 @@ def main() -> int:
         "get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
         "numpy.array(int, int32)": lambda: numpy.array(5, numpy.int32),
         "attention() whole call": lambda: cupyflash.attention(q, q, q),
+        # One TMA descriptor made afresh (the driver's encode through ctypes), as each call whose
+        # arrays sit at new addresses needs one per array.
+        "_tma._tensor_map (uncached)": lambda: _tma._tensor_map(q.data.ptr, "bfloat16", 128, (32768, 256, 128),
+                                                                (1, 128, 2), (64, 128)),
     }
     for label, fn in rows.items():
         cupy.cuda.Device().synchronize()

@@ -253,11 +253,18 @@ def _checked_problem(key, block_mask, check) -> _validation.AttentionProblem:
     if problem is not None:
         return problem if block_mask is None else _with_block_mask(problem, block_mask)
     problem = check()
-    with _CHECKED_LOCK:
-        if len(cache) >= _CHECKED_KEPT:
-            cache.pop(next(iter(cache)))
-        cache[key] = problem if block_mask is None else _with_block_mask(problem, None)
+    keep_bounded(cache, key, problem if block_mask is None else _with_block_mask(problem, None), _CHECKED_KEPT)
     return problem
+
+
+def keep_bounded(cache: dict, key, value, limit: int) -> None:
+    """cache[key] = value, the oldest entry dropped first once `limit` are kept. Under one lock for
+    every such cache: two threads dropping at once would both take the same oldest key (a KeyError),
+    and an insert between iter() and next() makes next() raise."""
+    with _CHECKED_LOCK:
+        if key not in cache and len(cache) >= limit:
+            cache.pop(next(iter(cache)))
+        cache[key] = value
 
 
 def _with_block_mask(p: _validation.AttentionProblem, block_mask) -> _validation.AttentionProblem:
@@ -650,7 +657,10 @@ class _LaunchRecord:
     each call's struct is a copy with the call's pointers written in; and the tensor maps made for
     the pointers seen lately (a map holds its array's address). Kept in the problem's memo."""
 
-    _MAPS_KEPT = 8
+    # A model's layers share one problem and call it with their own arrays, at addresses that the
+    # memory pools give back step after step: 8 kept sets were rebuilt on every call of a loop over
+    # 16 array sets (+17-19 us a forward call on an H200's host; benchmarks/NOTES.md, session 39).
+    _MAPS_KEPT = 64
 
     def __init__(self, dtype: numpy.dtype, fields: dict, pointer_names: tuple):
         self.dtype = dtype

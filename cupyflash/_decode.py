@@ -129,9 +129,9 @@ def attention_decode(
     else:
         out, lse = _decode_gpu(q_, k_, v_, k_new_, v_new_, lengths, problem)
         if key is not None:
-            if len(_checked_steps) >= _MAX_CHECKED_STEPS:
-                _checked_steps.pop(next(iter(_checked_steps)))
-            _checked_steps[key] = dataclasses.replace(problem, cache_seqlens=None)  # each step brings its own
+            # (each step brings its own lengths)
+            _attention.keep_bounded(_checked_steps, key, dataclasses.replace(problem, cache_seqlens=None),
+                                    _MAX_CHECKED_STEPS)
 
     origin = origins["q"]
     out = _arrays.export(out, origin)

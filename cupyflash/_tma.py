@@ -87,7 +87,7 @@ def _tensor_map(pointer: int, dtype_name: str, head_dim: int, strides: tuple, di
     return ctypes.string_at(aligned, TENSOR_MAP_BYTES) if status == 0 else None
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)  # a few arrays a call, a call per layer of a model: see _LaunchRecord
 def _tile_map(pointer: int, strides: tuple, dims: tuple, dtype_name: str, head_dim: int,
               box_rows: int) -> numpy.ndarray | None:
     """One 16-bit array's map, boxes of one panel by box_rows rows; None where the driver declines it."""
@@ -134,7 +134,7 @@ def fwd_ws_tensor_maps(fields: dict, q_dims: tuple[int, int, int], kv_dims: tupl
                                ("o", q_dims, o_rows)), dtype_name, head_dim)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _dq_tensor_map(pointer: int, dims: tuple, head_dim: int) -> numpy.ndarray | None:
     batch, rows, heads = dims
     strides = (rows * heads * head_dim, heads * head_dim, head_dim)

@@ -155,3 +155,32 @@ def test_calls_from_many_threads(rng):
     for t in threads:
         t.join()
     assert failures == []
+
+
+def test_bounded_inserts_from_many_threads():
+    """keep_bounded (the problems' cache and decode's steps) dropping its oldest entries from eight
+    threads at once: no thread raises, and the bound holds. Unlocked, two threads took the same
+    oldest key (KeyError) or iterated a dict another was growing (RuntimeError)."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        cache, errors = {}, []
+
+        def work(index):
+            try:
+                for n in range(3000):
+                    _attention.keep_bounded(cache, (index, n), n, 4)
+            except Exception as error:  # noqa: BLE001 - the test reports whatever a thread raised
+                errors.append(repr(error))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == [] and len(cache) == 4
