@@ -57,6 +57,7 @@ def main() -> int:
         "get_function (cached)": lambda: _compile.get_function(kernel, device_id),
         "kernel.num_threads + smem_bytes": lambda: (kernel.num_threads, kernel.smem_bytes),
         "numpy .ctypes.data": lambda: small.ctypes.data,
+        "_attention._address (ctypes view)": lambda: _attention._address(small),
         "CPointer(int)": lambda: CPointer(12345),
         "cupy.empty((1, 128, 2, 128))": lambda: cupy.empty((1, 128, 2, 128), BFLOAT16),
         "with cupy.cuda.Device(0)": enter_and_leave_device,

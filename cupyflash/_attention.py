@@ -3,6 +3,7 @@ round trip."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import threading
@@ -489,16 +490,33 @@ def _params(dtype: numpy.dtype, fields: dict) -> numpy.ndarray:
 def _launch(kernel, device_id: int, grid, params: numpy.ndarray, *more: numpy.ndarray) -> None:
     """Launches `kernel` with its parameter struct (`more`: byte images of further by-value
     arguments, such as the forward's tensor maps)."""
+    CPointer, get_function = _launch_helpers()
+    function = get_function(kernel, device_id)  # raises ValueError if it cannot fit
+    # The struct goes by address: CuPy's by-value path for a NumPy record rebuilds its
+    # __array_interface__ (the whole field description) on every launch, about 50 us for BwdParams.
+    # The arrays outlive the call, and the launch copies the bytes.
+    arguments = tuple(CPointer(_address(x)) for x in (params, *more))
+    function(grid, (kernel.num_threads,), arguments, shared_mem=kernel.smem_bytes)
+
+
+@functools.cache
+def _launch_helpers():
+    """CuPy's CPointer and `_compile.get_function`, imported once: imports inside `_launch` cost
+    about 2 us a launch (benchmarks/NOTES.md, session 39)."""
     from cupy.cuda.function import CPointer
 
     from cupyflash import _compile
 
-    function = _compile.get_function(kernel, device_id)  # raises ValueError if it cannot fit
-    # The struct goes by address: CuPy's by-value path for a NumPy record rebuilds its
-    # __array_interface__ (the whole field description) on every launch, about 50 us for BwdParams.
-    # The arrays outlive the call, and the launch copies the bytes.
-    arguments = tuple(CPointer(x.ctypes.data) for x in (params, *more))
-    function(grid, (kernel.num_threads,), arguments, shared_mem=kernel.smem_bytes)
+    return CPointer, _compile.get_function
+
+
+def _address(x: numpy.ndarray) -> int:
+    """The address of a C-contiguous array's bytes: through ctypes' view of its buffer, a third of
+    numpy's .ctypes.data (0.3 against 0.9 us), which read-only arrays still take."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(x))
+    except TypeError:  # a read-only buffer
+        return x.ctypes.data
 
 
 # Counters that their kernels leave zeroed (the persistent kernels' tile claims, decode's split

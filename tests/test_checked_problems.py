@@ -184,3 +184,13 @@ def test_bounded_inserts_from_many_threads():
     finally:
         sys.setswitchinterval(interval)
     assert errors == [] and len(cache) == 4
+
+
+def test_launch_arguments_go_by_their_arrays_addresses():
+    """_launch passes each argument's bytes by address: the struct (a record view of a copy), the
+    maps, and a read-only array alike."""
+    record = numpy.zeros(1, _instantiations.FWD_PARAMS_DTYPE)
+    frozen = numpy.arange(4, dtype=numpy.uint64)
+    frozen.flags.writeable = False
+    for x in (record, record.view(numpy.uint64).copy().view(record.dtype), _attention._tma.NO_MAPS, frozen):
+        assert _attention._address(x) == x.ctypes.data
