@@ -511,11 +511,12 @@ def _launch_helpers():
 
 
 def _address(x: numpy.ndarray) -> int:
-    """The address of a C-contiguous array's bytes: through ctypes' view of its buffer, a third of
-    numpy's .ctypes.data (0.3 against 0.9 us), which read-only arrays still take."""
+    """The address of an array's bytes, through ctypes' view of its buffer: about half the time of
+    numpy's .ctypes.data (0.5 against 1.1 us on the H200 machine's host). Arrays ctypes cannot view
+    (read-only, empty or not contiguous) take .ctypes.data."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(x))
-    except TypeError:  # a read-only buffer
+    except (TypeError, ValueError):
         return x.ctypes.data
 
 

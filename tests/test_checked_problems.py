@@ -188,9 +188,10 @@ def test_bounded_inserts_from_many_threads():
 
 def test_launch_arguments_go_by_their_arrays_addresses():
     """_launch passes each argument's bytes by address: the struct (a record view of a copy), the
-    maps, and a read-only array alike."""
+    maps, a 0-d scalar, and the arrays ctypes cannot view (read-only, empty, strided) alike."""
     record = numpy.zeros(1, _instantiations.FWD_PARAMS_DTYPE)
     frozen = numpy.arange(4, dtype=numpy.uint64)
     frozen.flags.writeable = False
-    for x in (record, record.view(numpy.uint64).copy().view(record.dtype), _attention._tma.NO_MAPS, frozen):
+    for x in (record, record.view(numpy.uint64).copy().view(record.dtype), _attention._tma.NO_MAPS,
+              numpy.array(7, numpy.int32), frozen, numpy.zeros(0, numpy.uint8), numpy.zeros((4, 4), numpy.uint32)[:, ::2]):
         assert _attention._address(x) == x.ctypes.data
