@@ -698,12 +698,11 @@ class _LaunchRecord:
 
     def tensor_maps(self, key: tuple, make, pointers: dict):
         """make(fields)'s maps (or None) for `key`, which must hold every pointer they describe."""
-        maps = self.maps.get(key, self)  # one lookup: another thread may clear the dict meanwhile
+        maps = self.maps.get(key, self)  # one lookup: another thread may drop the entry meanwhile
         if maps is not self:
             return maps
-        if len(self.maps) >= self._MAPS_KEPT:
-            self.maps.clear()
-        maps = self.maps[key] = make({**self.fields, **pointers})
+        maps = make({**self.fields, **pointers})
+        keep_bounded(self.maps, key, maps, self._MAPS_KEPT)  # (a model of more layers: the oldest go)
         return maps
 
 

@@ -132,6 +132,24 @@ def test_a_launch_record_writes_each_calls_pointers(rng, dtype, pointers):
     assert record.params(fields)[0].tolist() == _attention._params(dtype, fields)[0].tolist()
 
 
+def test_a_launch_record_keeps_the_newest_tensor_maps(monkeypatch):
+    """A record keeps the maps of _MAPS_KEPT pointer sets, dropping the oldest first (keep_bounded,
+    as the problems' cache); a kept set's maps are not made again."""
+    monkeypatch.setattr(_attention._LaunchRecord, "_MAPS_KEPT", 3)
+    dtype = _instantiations.FWD_PARAMS_DTYPE
+    record = _attention._LaunchRecord(dtype, dict.fromkeys(dtype.names, 0), ())
+    made = []
+
+    def maps_for(key):
+        return record.tensor_maps(key, lambda fields: made.append(key) or ("maps", key), {})
+
+    for key in range(5):
+        assert maps_for(key) == ("maps", key)
+    assert list(record.maps) == [2, 3, 4]
+    assert maps_for(3) == ("maps", 3) and maps_for(0) == ("maps", 0)
+    assert made == [0, 1, 2, 3, 4, 0] and list(record.maps) == [3, 4, 0]
+
+
 def test_calls_from_many_threads(rng):
     """Threads calling with a few shapes at once share the cache (and the launch records on a GPU):
     every result is its own call's."""
