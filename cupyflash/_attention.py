@@ -222,7 +222,9 @@ def _call_problem(direction: str, arrays: dict, origins: dict, options: tuple, c
 # whose values matter) and unhashable options leave a call without a key, checked every time.
 _CHECKED: dict = {}  # call key -> AttentionProblem, calls without a block mask
 _CHECKED_KEPT = 256  # problems kept per cache (this one, and each BlockMask's), oldest dropped first
-_CHECKED_LOCK = threading.Lock()
+# keep_bounded's one lock, for every cache it bounds (this one, each BlockMask's, decode's checked
+# steps, the launch records' tensor maps).
+_BOUNDED_LOCK = threading.Lock()
 
 
 def _call_key(direction: str, arrays, options: tuple):
@@ -262,7 +264,7 @@ def keep_bounded(cache: dict, key, value, limit: int) -> None:
     """cache[key] = value, the oldest entry dropped first once `limit` are kept. Under one lock for
     every such cache: two threads dropping at once would both take the same oldest key (a KeyError),
     and an insert between iter() and next() makes next() raise."""
-    with _CHECKED_LOCK:
+    with _BOUNDED_LOCK:
         if key not in cache and len(cache) >= limit:
             cache.pop(next(iter(cache)))
         cache[key] = value
