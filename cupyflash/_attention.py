@@ -1046,8 +1046,35 @@ def launch_backward(
     accum = _validation.lse_dtype(p.dtype_name)  # the kernels' accumulator type
     lse_log2 = cupy.empty(p.heads * p.total_q, accum)  # row statistics, as _row_statistics_strides
     d = cupy.empty(p.heads * p.total_q, accum)
-    # Cleared by the preprocess kernel, which reads its rows anyway (flash_bwd.cu).
-    dq_accum = None if p.deterministic else cupy.empty((p.total_q, p.heads, p.head_dim), accum)
+    dkdv_kernel, dq_kernel = kernels or backward_kernels(p, device_id, tensor_cores, wgmma)
+
+    def launch_seqlen_k(kernel) -> int:
+        if p.block_mask is not None and isinstance(kernel, (_instantiations.BwdDkdvKernel,
+                                                            _instantiations.TcBwdDkdvKernel)):
+            # These take the mask's key blocks in its key_order, whole (flash_bwd.cuh, key_tile):
+            # the launch covers the last block's tiles past seqlen_k, which return at once.
+            block_k = p.block_mask.block_size[1]
+            return -(-p.seqlen_k // block_k) * block_k
+        return p.seqlen_k
+
+    kv_heads = p.heads // p.kv_group
+    # The warp-specialised dK/dV kernel at WS_DQ_RING_HEAD_DIMS adds dQ into a ring of a few
+    # (K/V head, batch) slabs, zero here and at its exit, and rounds dq itself (flash_bwd_tc.cu,
+    # wait_for_slot). The others add into the whole workspace, which the preprocess clears (it
+    # reads its rows anyway) and the conversion rounds.
+    ws = getattr(dkdv_kernel, "ws", False) and not p.deterministic and p.cu_seqlens is None
+    ring = 0
+    if ws and _instantiations.padded_head_dim(p.head_dim) in _instantiations.WS_DQ_RING_HEAD_DIMS:
+        positions = dkdv_kernel.positions(launch_seqlen_k(dkdv_kernel))
+        blocks = dkdv_kernel.grid(p.batch, kv_heads, p.seqlen_q, launch_seqlen_k(dkdv_kernel),
+                                  sm_count=_sm_count(device_id))[0]
+        if blocks and p.seqlen_q:
+            ring = dkdv_kernel.ring_slabs(p.batch * kv_heads, positions, blocks,
+                                          p.kv_group * p.seqlen_q * p.head_dim * accum.itemsize)
+    if ring:
+        dq_accum = cupy.zeros((p.seqlen_q, ring, p.kv_group, p.head_dim), accum)  # (flash_bwd_tc.cu, wait_for_slot)
+    else:
+        dq_accum = None if p.deterministic else cupy.empty((p.total_q, p.heads, p.head_dim), accum)
 
     pointers = {"lse": lse.data.ptr, "lse_log2": lse_log2.data.ptr, "d": d.data.ptr,
                 "dq_accum": 0 if dq_accum is None else dq_accum.data.ptr}
@@ -1074,52 +1101,60 @@ def launch_backward(
         pointers, static_fields)
     params = record.params(pointers)
 
-    def launch(kernel):
-        seqlen_k = p.seqlen_k
-        if p.block_mask is not None and isinstance(kernel, (_instantiations.BwdDkdvKernel,
-                                                            _instantiations.TcBwdDkdvKernel)):
-            # These take the mask's key blocks in its key_order, whole (flash_bwd.cuh, key_tile):
-            # the launch covers the last block's tiles past seqlen_k, which return at once.
-            block_k = p.block_mask.block_size[1]
-            seqlen_k = -(-p.seqlen_k // block_k) * block_k
-        heads = p.heads // p.kv_group if kernel.per_kv_head else p.heads
+    def launch(kernel, params):
+        seqlen_k = launch_seqlen_k(kernel)
+        heads = kv_heads if kernel.per_kv_head else p.heads
         if kernel.grid(p.batch, heads, p.seqlen_q, seqlen_k)[0] == 0:  # seqlen_q == 0 or seqlen_k == 0
             return  # leaves some kernels nothing to do
         more = ()  # flash_bwd_tc.cu's dK/dV kernels also take the TMA builds' tensor maps (BwdTensorMaps)
         if isinstance(kernel, _instantiations.TcBwdDkdvKernel):
             maps = None
-            if getattr(kernel, "tma", False):
-                if dq_accum is not None and p.cu_seqlens is None:
-                    block_m = kernel.tile.block_m
-                    maps = record.tensor_maps(
-                        ("dq q dout", block_m, pointers["dq_accum"], pointers["q"], pointers["dout"]),
-                        lambda fields: _tma.bwd_tensor_maps(fields, fields["dq_accum"], (p.batch, p.seqlen_q, p.heads),
-                                                            p.dtype_name, p.head_dim, block_m),
-                        pointers)
-                if maps is None:
-                    kernel = _instantiations.without_tma(kernel)
+            if getattr(kernel, "tma", False) and dq_accum is not None and p.cu_seqlens is None:
+                maps = bwd_maps(kernel)
+            if maps is None:
+                kernel = _instantiations.without_tma(kernel)
             more = (_tma.NO_BWD_MAPS if maps is None else maps,)
-            kv_maps = None
-            if getattr(kernel, "ws", False):  # K's and V's maps, or the one-block TMA build
-                block_n = kernel.tile.block_n
-                kv_maps = record.tensor_maps(
-                    ("k v", block_n, heads, pointers["k"], pointers["v"]),
-                    lambda fields: _tma.kv_tensor_maps(fields, (p.batch, p.seqlen_k, heads), p.dtype_name, p.head_dim,
-                                                       block_n),
-                    pointers)
-                if kv_maps is None:
-                    kernel = dataclasses.replace(kernel, ws=False)
-            if kv_maps is not None:  # and the key tiles per (K/V head, batch), all of them, and a counter
-                positions = kernel.positions(seqlen_k)
-                claims = zeroed_counters(device_id, 1)
-                more += (kv_maps, numpy.array(positions, numpy.int32), numpy.array(positions * heads * p.batch, numpy.int32),
-                         numpy.array(claims.data.ptr, numpy.uint64))
-                grid = kernel.grid(p.batch, heads, p.seqlen_q, seqlen_k, sm_count=_sm_count(device_id))
-                _launch(kernel, device_id, grid, params, *more)
-                return
         _launch(kernel, device_id, kernel.grid(p.batch, heads, p.seqlen_q, seqlen_k), params, *more)
 
-    dkdv_kernel, dq_kernel = kernels or backward_kernels(p, device_id, tensor_cores, wgmma)
-    launch(_instantiations.bwd_row_kernel("preprocess", p.dtype_name, p.seqlen_q))
-    launch(dkdv_kernel)
-    launch(dq_kernel if p.deterministic else _instantiations.bwd_row_kernel("convert_dq", p.dtype_name, p.seqlen_q))
+    def bwd_maps(kernel, ring=0):
+        block_m = kernel.tile.block_m
+        dq_dims = (1, p.seqlen_q, ring * p.kv_group) if ring else None
+        return record.tensor_maps(
+            ("dq q dout", block_m, dq_dims, pointers["dq_accum"], pointers["q"], pointers["dout"]),
+            lambda fields: _tma.bwd_tensor_maps(fields, fields["dq_accum"], (p.batch, p.seqlen_q, p.heads),
+                                                p.dtype_name, p.head_dim, block_m, dq_dims),
+            pointers)
+
+    if ws:  # the warp-specialised kernel's maps: Q's, dO's and the workspace's or ring's, then K's and V's
+        block_n = dkdv_kernel.tile.block_n
+        maps = bwd_maps(dkdv_kernel, ring)
+        kv_maps = None if maps is None else record.tensor_maps(
+            ("k v", block_n, kv_heads, pointers["k"], pointers["v"]),
+            lambda fields: _tma.kv_tensor_maps(fields, (p.batch, p.seqlen_k, kv_heads), p.dtype_name, p.head_dim,
+                                               block_n),
+            pointers)
+        if kv_maps is None:  # the one-block build then, with the whole workspace
+            ws, dkdv_kernel = False, dataclasses.replace(dkdv_kernel, ws=False)
+            if ring:
+                ring, dq_accum = 0, cupy.empty((p.total_q, p.heads, p.head_dim), accum)
+                pointers["dq_accum"] = dq_accum.data.ptr
+                params = record.params(pointers)
+    elif getattr(dkdv_kernel, "ws", False):  # (deterministic or varlen: the one-block build's paths)
+        dkdv_kernel = dataclasses.replace(dkdv_kernel, ws=False)
+
+    launch(_instantiations.bwd_row_kernel("preprocess", p.dtype_name, p.seqlen_q),
+           record.params({**pointers, "dq_accum": 0}) if ring else params)  # (no clear: the ring is zero)
+    if not ws:
+        launch(dkdv_kernel, params)
+    else:
+        seqlen_k = launch_seqlen_k(dkdv_kernel)
+        grid = dkdv_kernel.grid(p.batch, kv_heads, p.seqlen_q, seqlen_k, sm_count=_sm_count(device_id))
+        if grid[0]:  # (no keys: nothing to launch)
+            positions = dkdv_kernel.positions(seqlen_k)
+            counters = zeroed_counters(device_id, dkdv_kernel.counters(kv_heads, p.batch))
+            _launch(dkdv_kernel, device_id, grid, params, maps, kv_maps, numpy.array(positions, numpy.int32),
+                    numpy.array(positions * kv_heads * p.batch, numpy.int32),
+                    numpy.array(counters.data.ptr, numpy.uint64), numpy.array(ring, numpy.int32))
+    if not ring:
+        launch(dq_kernel if p.deterministic else _instantiations.bwd_row_kernel("convert_dq", p.dtype_name, p.seqlen_q),
+               params)

@@ -744,6 +744,17 @@ TMA_BACKWARD_BY_DEFAULT = TMA_FORWARD_BY_DEFAULT
 WS_BACKWARD_HEAD_DIMS = (64, 128)
 WS_BACKWARD_MAX_DENSITY = {64: 0.3, 128: 1.0}
 WS_BACKWARD_BY_DEFAULT = {"0": False, "1": True}.get(os.environ.get("CUPYFLASH_HOPPER_WS_BWD", ""))
+# Its dQ ring (flash_bwd_tc.cu, wait_for_slot), at these padded head dims: the preprocess clears
+# nothing and no conversion follows. Whole backward calls on an H200 (benchmarks/NOTES.md, session
+# 41), d64: random 0.25 -3.5% at 4096 tokens, -2.6% at 16384, local 0.262 -3 to -4%, density 0.1
+# within noise; d128 +1 to +7% with 24 MB, within noise of the whole workspace with 48 MB and
+# more (+2% at density 0.1), so d128 keeps the whole workspace. WS_DQ_RING_BYTES: the bytes it
+# may take (d64: 24 slabs at 4096 tokens; 12 slabs gave d128 at 0.1 +7%, 24 +2%);
+# CUPYFLASH_WS_DQ_RING_SLABS sets its slots outright (tests force one or two, so that every slab
+# waits for the one before).
+WS_DQ_RING_HEAD_DIMS = (64,)
+WS_DQ_RING_BYTES = 24 << 20
+WS_DQ_RING_SLABS = int(os.environ.get("CUPYFLASH_WS_DQ_RING_SLABS", "0"))
 
 # Tiles timed by benchmarks/tune_tc.py --forward-only on an H100 (b2 s8192, both dtypes, causal and
 # not; benchmarks/NOTES.md, session 16). d64: one warpgroup of 64 rows, three blocks per SM, whose
@@ -940,6 +951,21 @@ class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
         """Key tiles per (K/V head, batch) for a seqlen_k (block-sparse: rounded up to mask blocks)."""
         return math.ceil(seqlen_k / self.tile.block_n)
 
+    @staticmethod
+    def counters(kv_heads: int, batch: int) -> int:
+        """int32 counters the warp-specialised build takes (flash_bwd_tc.cu's DkdvCounters): the
+        item claims and the rounding warps done, then two per (K/V head, batch) slab."""
+        return 2 + 2 * kv_heads * batch
+
+    def ring_slabs(self, slabs: int, positions: int, blocks: int, slab_bytes: int) -> int:
+        """Slots of the warp-specialised build's dQ ring (flash_bwd_tc.cu, wait_for_slot): room for
+        twice the slabs that the launch's `blocks` hold items of at once and two being rounded, or
+        WS_DQ_RING_BYTES if that holds more, and never more than the launch's `slabs`."""
+        if WS_DQ_RING_SLABS:
+            return min(slabs, WS_DQ_RING_SLABS)
+        in_flight = 2 * math.ceil(blocks / positions) + 2
+        return min(slabs, max(in_flight, WS_DQ_RING_BYTES // slab_bytes))
+
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, sm_count: int = 132) -> tuple[int, int, int]:
         if not self.ws:
             return super().grid(batch, heads, seqlen_q, seqlen_k)
@@ -948,7 +974,8 @@ class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
     def host_checks(self) -> str:
         if not self.tma:
             return super().host_checks()
-        return (f"static_assert({self.traits}::kSmemBytesTma == {self.smem_bytes}, "
+        total = "kSmemBytesWs" if self.ws else "kSmemBytesTma"
+        return (f"static_assert({self.traits}::{total} == {self.smem_bytes}, "
                 f'"cupyflash/_instantiations.py and {self.traits_name} disagree on shared memory");\n')
 
     @functools.cached_property
@@ -963,7 +990,9 @@ class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
         # The TMA builds add two stages of one 64 x 64 float32 dQ share per warpgroup.
         tiles = (2 * t.block_n + 4 * t.block_m) * self.head_dim * 2 + t.block_n * t.block_m * 2
         dq_stages = 2 * (t.num_warps // 4) * 64 * 64 * 4 if self.tma else 0
-        return tiles + 2 * 2 * t.block_m * 4 + 1024 + dq_stages
+        # The warp-specialised build rounds dQ through two buffers of one 64 x 32 float32 dQ box.
+        round_boxes = 2 * 64 * 32 * 4 if self.ws else 0
+        return tiles + 2 * 2 * t.block_m * 4 + 1024 + dq_stages + round_boxes
 
 
 def uses_wgmma(dtype_name: str, padded_head_dim: int, compute_capability: int) -> bool:

@@ -154,12 +154,13 @@ def dq_tensor_map(pointer: int, dims: tuple[int, int, int], head_dim: int) -> nu
 
 
 def bwd_tensor_maps(fields: dict, dq_accum: int, dims: tuple[int, int, int], dtype_name: str, head_dim: int,
-                    box_rows: int) -> numpy.ndarray | None:
+                    box_rows: int, dq_dims: tuple[int, int, int] | None = None) -> numpy.ndarray | None:
     """The Hopper dK/dV kernel's maps (384 bytes, BwdTensorMaps' layout): dq_accum's
-    (`dq_tensor_map`), then Q's and dO's with boxes of box_rows queries (`tile_tensor_maps`), from
-    the launch's BwdParams fields; dims = (batch, seqlen_q, heads). None where any of them cannot be
-    made."""
-    dq = dq_tensor_map(dq_accum, dims, head_dim)
+    (`dq_tensor_map`, of dq_dims: by default dims), then Q's and dO's with boxes of box_rows
+    queries (`tile_tensor_maps`), from the launch's BwdParams fields; dims = (batch, seqlen_q,
+    heads). The warp-specialised kernel's dQ ring has dq_dims (1, seqlen_q, its slots x the
+    heads of a K/V head's group). None where any of them cannot be made."""
+    dq = dq_tensor_map(dq_accum, dq_dims or dims, head_dim)
     if dq is None:
         return None
     q_dout = tile_tensor_maps(fields, ("q", "dout"), dims, dtype_name, head_dim, box_rows)

@@ -298,6 +298,11 @@ struct WgmmaBwdDkdvTraits
     static constexpr int kDqShareBytes = 64 * 64 * 4;
     static constexpr int kDqStageOffset = kSmemRowStatsOffset + 2 * 2 * kBlockM_ * 4;  // bytes
     static constexpr int kSmemBytesTma = kSmemBytes + 2 * kWarpgroups * kDqShareBytes;
+    // The warp-specialised kernel then rounds dQ from the workspace itself, through two buffers of
+    // one dQ box (64 queries x kDqBoxColumns floats: the adds' box, the same tensor map).
+    static constexpr int kDqRoundBoxBytes = 64 * kDqBoxColumns * 4;
+    static constexpr int kDqRoundOffset = kDqStageOffset + 2 * kWarpgroups * kDqShareBytes;  // bytes
+    static constexpr int kSmemBytesWs = kSmemBytesTma + 2 * kDqRoundBoxBytes;
 
     static_assert(kDqStageOffset % kSwizzleAtomBytes == 0, "the dQ boxes start on swizzle periods");
     static_assert(kWarpsQ_ == 1 && kOutSplit_ == 1, "a warp owns whole rows of S^T, dK_j and dV_j");

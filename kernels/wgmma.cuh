@@ -126,7 +126,7 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap& map, 
 // what falls past the tensor's bounds. Its completion is tracked per issuing thread in bulk
 // groups: commit closes one, and wait_group_read<N> returns once all but the N newest have read
 // their shared memory (which may then be rewritten). The adds themselves complete by the end of
-// the launch, as a TMA store's writes do (the kernels that read the sums are later launches).
+// the launch, as a TMA store's writes do, or earlier once bulk_wait_group (below) has seen them.
 // The threads' shared-memory writes reach the TMA (async proxy) through fence_proxy_async and a
 // barrier before the issue.
 __device__ __forceinline__ void tma_reduce_add_4d(const TensorMap& map, unsigned src, int c0, int c1, int c2, int c3) {
@@ -146,6 +146,14 @@ __device__ __forceinline__ void tma_store_4d(const TensorMap& map, unsigned src,
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int kPending> __device__ __forceinline__ void bulk_wait_group_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// ... and wait_group<N> once all but the N newest have completed: their writes (or adds) are done.
+// Made visible to other SMs' plain loads by fence_proxy_async_global and a release after it.
+template <int kPending> __device__ __forceinline__ void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
 // Barrier `id` (1..15; 0 is __syncthreads') among `threads` threads, whole warps: a warpgroup's own.

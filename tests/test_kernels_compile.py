@@ -492,7 +492,7 @@ def test_the_warp_specialised_dkdv_kernel_serves_tma_problems(monkeypatch, head_
     assert _attention.backward_kernels(p, 0)[0] == one_block
     flags = f"{str(causal).lower()}, {str(sparse).lower()}"
     assert kernel.name_expression == f"cupyflash::flash_bwd_dkdv_ws_kernel<{kernel.traits}, {flags}>"
-    assert kernel.smem_bytes == one_block.smem_bytes
+    assert kernel.smem_bytes == one_block.smem_bytes + 2 * 64 * 32 * 4  # and the two dQ boxes it rounds through
     assert (kernel.num_threads, one_block.num_threads) == (384, 256)
     assert kernel.grid(2, 3, 300, 700, sm_count=132) == (2 * 3 * 6, 1, 1)  # 6 key tiles of 128
     assert kernel.grid(4, 16, 4096, 4096, sm_count=132) == (132, 1, 1)
@@ -500,6 +500,22 @@ def test_the_warp_specialised_dkdv_kernel_serves_tma_problems(monkeypatch, head_
     assert one_block.grid(4, 16, 4096, 4096) == (32, 16, 4)
     with pytest.raises(ValueError, match="warp-specialised"):
         _instantiations.WgmmaBwdDkdvKernel("bfloat16", 64, False, ws=True)
+
+
+def test_the_dq_ring_holds_the_slabs_in_flight(monkeypatch):
+    """The warp-specialised dK/dV kernel's dQ ring: twice the slabs its blocks hold items of, plus
+    two, or WS_DQ_RING_BYTES' worth if more, never more than the launch's slabs; the override
+    (tests, tuning) caps it at the slabs too."""
+    kernel = _instantiations.WgmmaBwdDkdvKernel("bfloat16", 128, False, tma=True, ws=True)
+    mb = 1 << 20
+    # s4096, d128, batch 4 x 16 heads: 32 key tiles a slab, 2 MB of floats a slab
+    assert kernel.ring_slabs(64, 32, 132, 2 * mb) == 2 * 5 + 2 == 24 * mb // (2 * mb)
+    assert kernel.ring_slabs(128, 32, 132, 1 * mb) == 24  # d64: 24 MB of 1 MB slabs
+    assert kernel.ring_slabs(16, 128, 132, 8 * mb) == 6  # s16384: two slabs in flight, 8 MB each
+    assert kernel.ring_slabs(4, 3, 12, 1000) == 4  # a short launch: every slab its own slot
+    monkeypatch.setattr(_instantiations, "WS_DQ_RING_SLABS", 2)
+    assert kernel.ring_slabs(64, 32, 132, 2 * mb) == 2
+    assert kernel.ring_slabs(1, 32, 132, 2 * mb) == 1
 
 
 @pytest.mark.parametrize("head_dim,density,ws", [(64, None, False), (128, None, False), (64, 1.0, False),

@@ -467,18 +467,25 @@ WS_BWD_SHAPES = [(2, 70, 1, 4, 2, 64), (2, 1, 17, 3, 3, 40), (2, 203, 331, 4, 2,
                  (1, 1023, 1024, 2, 1, 128), (1, 1024, 1023, 2, 2, 104), (2, 129, 257, 2, 2, 120)]
 
 
-@pytest.mark.parametrize("sm_count", [None, 1, 3])
+@pytest.mark.parametrize("sm_count, ring", [(None, 0), (None, 1), (1, 0), (3, 2)])
 @pytest.mark.parametrize("variant", list(TMA_VARIANTS))
 @pytest.mark.parametrize("shape", WS_BWD_SHAPES)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dtype, shape, variant, sm_count):
+def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dtype, shape, variant, sm_count, ring):
     """The warp-specialised dK/dV kernel against the reference, and bit for bit against the
     one-block TMA build for dK and dV (the same steps on the same tiles, each key block's walk
     starting at the same query block); dQ sums the same shares in another order: within the
     reference's tolerance. sm_count forces the grid down to 1 or 3 blocks, so that each claims many
     key blocks, its producer filling both Q_i buffers and K_j, V_j while the consumers write out
     the last key block. Block masks of 256 keys round the launch up past seqlen_k (key tiles with
-    nothing to do) and leave a key block with no query block."""
+    nothing to do) and leave a key block with no query block. At WS_DQ_RING_HEAD_DIMS (d64) the
+    kernel adds dQ into its ring and rounds dq itself: no conversion launch follows it (the
+    one-block build's does), and every dQ element, NaN before, is written; d128 adds into the
+    whole workspace, which the conversion rounds. The ring holds every slab of these problems
+    unless `ring` forces one or two slots (at d128 too), so that slabs wait for the rounding of
+    those before them (with every block racing, or with one block whose own rounding warps free
+    its next slot); the counters are zero after."""
+    import cupy
     from shapes import bits
 
     if not hopper.backward:
@@ -486,6 +493,10 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
     monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", True)
     if sm_count is not None:
         monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count)
+    monkeypatch.setattr(inst, "WS_DQ_RING_SLABS", ring)
+    if ring:
+        monkeypatch.setattr(inst, "WS_DQ_RING_HEAD_DIMS", (64, 128))
+    rounds_dq = inst.padded_head_dim(shape[5]) in inst.WS_DQ_RING_HEAD_DIMS
     causal, window, block_sparse = TMA_VARIANTS[variant]
     q, k, v = _tma_inputs(rng, dtype, shape)
     q, dout = _strided_like(rng, q), _strided_like(rng, q)
@@ -503,13 +514,29 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
             return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, window=window)
         return cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask, causal=causal, window=window)
 
+    steps, launched = [], []
+    recording = _attention._launch
+    monkeypatch.setattr(_attention, "_launch",
+                        lambda kernel, *args: (steps.append(getattr(kernel, "step", "dK/dV")), launched.append(args),
+                                               recording(kernel, *args))[2])
     grads = backward()
     ws = hopper[-1]
     assert ws.ws and ws.block_sparse == block_sparse and ws.local == (causal or window is not None)
+    assert steps == ["preprocess", "dK/dV"] + ([] if rounds_dq else ["convert_dq"])
+    slabs = shape[0] * shape[4]
+    dkdv = launched[steps.index("dK/dV")]
+    assert int(dkdv[-1]) == (min(ring or slabs, slabs) if rounds_dq else 0)  # the ring's slots
+    counters = dkdv[-2]
+    words = ws.counters(shape[4], shape[0])
+    left = cupy.ndarray((words,), cupy.int32, cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(int(counters), 4 * words, None), 0))
+    assert not left.any(), "the counters are left zero for the next launch"
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask, window=window)
     monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", False)
+    steps.clear()
     one_block = backward()
     assert hopper[-1] == dataclasses.replace(ws, ws=False)
+    assert steps == ["preprocess", "dK/dV", "convert_dq"]
     assert_gradients_match_reference(dout, q, k, v, one_block, dtype, causal, block_mask=mask, window=window)
     for got, want in zip(grads[1:], one_block[1:]):
         assert (bits(got.get()) == bits(want.get())).all()
