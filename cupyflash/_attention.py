@@ -1109,10 +1109,11 @@ def launch_backward(
         more = ()  # flash_bwd_tc.cu's dK/dV kernels also take the TMA builds' tensor maps (BwdTensorMaps)
         if isinstance(kernel, _instantiations.TcBwdDkdvKernel):
             maps = None
-            if getattr(kernel, "tma", False) and dq_accum is not None and p.cu_seqlens is None:
-                maps = bwd_maps(kernel)
-            if maps is None:
-                kernel = _instantiations.without_tma(kernel)
+            if getattr(kernel, "tma", False):
+                if dq_accum is not None and p.cu_seqlens is None:
+                    maps = bwd_maps(kernel)
+                if maps is None:
+                    kernel = _instantiations.without_tma(kernel)
             more = (_tma.NO_BWD_MAPS if maps is None else maps,)
         _launch(kernel, device_id, kernel.grid(p.batch, heads, p.seqlen_q, seqlen_k), params, *more)
 

@@ -7,7 +7,7 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, _attention, _validation
+from cupyflash import BlockMask, _attention, _instantiations, _validation
 from shapes import DTYPES, bits, random_qkv
 from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference, assert_workspace_poisoned
@@ -29,15 +29,25 @@ def run_block_sparse(rng, dtype, shape, mask, causal, deterministic=False, grads
     assert_gradients_match_reference(dout, q, k, v, g, dtype, causal, block_mask=mask)
 
 
+@pytest.mark.parametrize("ring", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dq_workspace_is_cleared_where_no_block_is_kept(rng, nan_outputs, poisoned_empty, dtype):
+def test_dq_workspace_is_cleared_where_no_block_is_kept(rng, monkeypatch, nan_outputs, poisoned_empty, dtype, ring):
     """Query rows whose blocks are all zero get no dQ share from any key block: their rows of the
-    uninitialised (here NaN) workspace must still come out as dq = 0."""
+    uninitialised (here NaN) workspace must still come out as dq = 0. With `ring`, the Hopper
+    warp-specialised kernel's dQ ring instead (zeroed, flash_bwd_tc.cu's wait_for_slot), whose
+    rounding must write those rows of dq (NaN before) too; two slots for six slabs, so that the
+    rows come from reused slots (where a Hopper kernel serves the dtype; elsewhere the whole
+    workspace, unchecked)."""
+    monkeypatch.setattr(_instantiations, "WS_DQ_RING_HEAD_DIMS", (64,) if ring else ())
+    if ring:
+        monkeypatch.setattr(_instantiations, "WS_BACKWARD_BY_DEFAULT", True)
+        monkeypatch.setattr(_instantiations, "WS_DQ_RING_SLABS", 2)
     seqlen_q, seqlen_k, heads = 517, 300, 3
     dense = rng.random((heads, math.ceil(seqlen_q / 128), math.ceil(seqlen_k / 128))) < 0.5
     dense[:, 1] = False  # a query block with no key block, in every head
     run_block_sparse(rng, dtype, (2, seqlen_q, seqlen_k, heads, 64), BlockMask(dense), causal=False)
-    assert_workspace_poisoned(poisoned_empty, 2 * seqlen_q, heads, 64, dtype)
+    if not ring:
+        assert_workspace_poisoned(poisoned_empty, 2 * seqlen_q, heads, 64, dtype)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
