@@ -746,10 +746,10 @@ WS_BACKWARD_MAX_DENSITY = {64: 0.3, 128: 1.0}
 WS_BACKWARD_BY_DEFAULT = {"0": False, "1": True}.get(os.environ.get("CUPYFLASH_HOPPER_WS_BWD", ""))
 # Its dQ ring (flash_bwd_tc.cu, wait_for_slot), at these padded head dims: the preprocess clears
 # nothing and no conversion follows. Whole backward calls on an H200 (benchmarks/NOTES.md, session
-# 41), d64: random 0.25 -3.5% at 4096 tokens, -2.6% at 16384, local 0.262 -3 to -4%, density 0.1
-# within noise; d128 +1 to +7% with 24 MB, within noise of the whole workspace with 48 MB and
-# more (+2% at density 0.1), so d128 keeps the whole workspace. WS_DQ_RING_BYTES: the bytes it
-# may take (d64: 24 slabs at 4096 tokens; 12 slabs gave d128 at 0.1 +7%, 24 +2%);
+# 41), d64 at 4096 tokens: random 0.25 -2 to -3%, local 0.262 -2 to -3%, local 0.092 -2%, random
+# 0.1 within noise; at 16384 random 0.25 -1 to -3%. d128: 12 slots (24 MB) +7% at density 0.1,
+# 24 slots or more +2% there and within noise at 0.25, so d128 keeps the whole workspace.
+# WS_DQ_RING_BYTES: the bytes it may take (d64: 24 slabs at 4096 tokens);
 # CUPYFLASH_WS_DQ_RING_SLABS sets its slots outright (tests force one or two, so that every slab
 # waits for the one before).
 WS_DQ_RING_HEAD_DIMS = (64,)

@@ -701,7 +701,7 @@ __device__ __forceinline__ void wait_at_least(const int* p, int x) {
 // The warp-specialised kernel's dQ workspace is a ring of `ring` slots, one (K/V head, batch) slab
 // each: (query, slot, head of the group, head dim) floats, slab s in slot s % ring (the dq map's
 // head coordinate is slot x group + the head within the group, its batch coordinate 0). The
-// slots' rows interleave as the whole workspace's heads do: slot-major, the same adds ran 4-6%
+// slots' rows interleave as the whole workspace's heads do: slot-major, the same adds ran 4-9%
 // slower (benchmarks/NOTES.md, session 41). A slot is rounded into dq as soon as its slab's items
 // are complete and left zero for slab s + ring, whose items wait for that (wait_for_slot). So
 // there is no workspace to clear before the launch nor to round after it. With ring = slabs (a
@@ -738,9 +738,9 @@ __device__ __forceinline__ void count_item_complete(const DkdvCounters& counters
 // completions and asks the TMA for each box into the free one of two buffers (`box_of`: its head
 // within the group, first query, first column, slab, and whether it is this block's last box of
 // the slab; head -1: no more; and `box_at`: where its first element is in dq and in the ring), and
-// the rounding warps round it into dq (round_dq_boxes). Loads by
-// the rounding warps themselves, at the producer warpgroup's 40 registers, kept too few bytes in
-// flight: 0.4 TB/s (benchmarks/NOTES.md, session 40).
+// the rounding warps round it into dq (round_dq_boxes). Loads by the rounding warps themselves, at
+// the producer warpgroup's 40 registers, kept too few bytes in flight: 0.4 TB/s
+// (benchmarks/NOTES.md, session 40).
 enum { kBoxHead, kBoxRow, kBoxCol, kBoxSlab, kBoxLast, kBoxFields };
 template <typename Bt>
 __device__ __forceinline__ void load_dq_boxes(const BwdParams& params, const TensorMap& dq_map,
@@ -770,8 +770,8 @@ __device__ __forceinline__ void load_dq_boxes(const BwdParams& params, const Ten
             box_of[b][kBoxCol] = col0;
             box_of[b][kBoxSlab] = slab;
             box_of[b][kBoxLast] = box + gridDim.x >= per_slab;
-            box_at[b][0] = slab / kv_heads * params.dq_batch_stride + (slab % kv_heads * group + head) * params.dq_head_stride +
-                           row0 * params.dq_row_stride + col0;
+            box_at[b][0] = slab / kv_heads * params.dq_batch_stride +
+                           (slab % kv_heads * group + head) * params.dq_head_stride + row0 * params.dq_row_stride + col0;
             box_at[b][1] = ((static_cast<long long>(row0) * ring + slab % ring) * group + head) *
                                params.head_dim + col0;
             const unsigned full = smem_address(&barriers[b][0]);
@@ -892,8 +892,9 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
     extern __shared__ __align__(16) unsigned char smem[];
     const DkdvTiles s = dkdv_tiles<Bt>(smem);
     // kv: K_j, V_j landed (the producer's two arrivals, before and after its slot lookup, and the
-    // bytes) / read (one arrival per consumer warp); q[b]: Q_i, dO_i and row statistics in buffer b, likewise (the producer arrives twice:
-    // with the tiles' bytes, then once its lanes have stored the statistics).
+    // bytes) / read (one arrival per consumer warp); q[b]: Q_i, dO_i and row statistics in buffer
+    // b, likewise (the producer arrives twice: with the tiles' bytes, then once its lanes have
+    // stored the statistics).
     __shared__ alignas(8) unsigned long long kv_barriers[2], q_barriers[2][2];
     // Two items' indices, alternately (a slot is rewritten once the consumers are done with the
     // next item's steps, and so with this one's stores): first key (-1: no more items), K/V head,

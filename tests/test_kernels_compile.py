@@ -508,7 +508,7 @@ def test_the_dq_ring_holds_the_slabs_in_flight(monkeypatch):
     (tests, tuning) caps it at the slabs too."""
     kernel = _instantiations.WgmmaBwdDkdvKernel("bfloat16", 128, False, tma=True, ws=True)
     mb = 1 << 20
-    # s4096, d128, batch 4 x 16 heads: 32 key tiles a slab, 2 MB of floats a slab
+    # (the arithmetic, which d128 would take too) s4096, batch 4 x 16 heads: 32 key tiles a slab, 2 MB a slab
     assert kernel.ring_slabs(64, 32, 132, 2 * mb) == 2 * 5 + 2 == 24 * mb // (2 * mb)
     assert kernel.ring_slabs(128, 32, 132, 1 * mb) == 24  # d64: 24 MB of 1 MB slabs
     assert kernel.ring_slabs(16, 128, 132, 8 * mb) == 6  # s16384: two slabs in flight, 8 MB each
