@@ -371,6 +371,8 @@ def _forward_gpu(q, k, v, p: _validation.AttentionProblem):
             lse = _empty((p.batch, p.heads, p.seqlen_q), _validation.lse_dtype(p.dtype_name))
         if out.size == 0:
             return out, lse
+        if not p.return_lse:
+            keep_if_captured(lse)  # (a graph's replays write it)
         launch_forward(q, k, v, out, lse, p)
     return out, lse
 
@@ -522,28 +524,38 @@ def _address(x: numpy.ndarray) -> int:
         return x.ctypes.data
 
 
-# Counters that their kernels leave zeroed (the persistent kernels' tile claims, decode's split
-# counts): one buffer per (device, stream), as the launches on a stream run one after another.
-_COUNTERS: dict = {}
+# Buffers that their kernels leave zeroed, kept per (purpose, device, stream), as the launches on a
+# stream run one after another: "counters" (the persistent kernels' claims and dQ slab counts,
+# decode's split counts) and "dq ring" (the warp-specialised dK/dV kernel's dQ ring, which would
+# otherwise be cleared by a memset on every call).
+_ZEROED: dict = {}
 # The workspaces and counters of calls captured into CUDA graphs, which replays go on using (a
 # graph holds the addresses for its life, which may be the process's).
 _CAPTURED: list = []
+# A dQ ring above this many bytes is allocated and cleared per call rather than kept (a stream
+# keeps at most this much for it).
+RING_KEPT_BYTES = 64 << 20
 
 
-def zeroed_counters(device_id: int, n: int):
-    """A zeroed uint32 buffer of at least n counters for a launch on the current stream, which the
+def zeroed(purpose: str, device_id: int, n: int, dtype, least: int = 0):
+    """A zeroed buffer of at least n elements of dtype for a launch on the current stream, which the
     launch must leave zeroed. A call being captured into a CUDA graph gets one of its own, as its
     replays may run on any stream beside calls on this one (the memset is captured too: harmless)."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
     if stream.is_capturing():
-        return keep_if_captured(cupy.zeros(n, numpy.uint32))
-    key = (device_id, stream.ptr)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.size < n:
-        counters = _COUNTERS[key] = cupy.zeros(max(n, 1024), numpy.uint32)
-    return counters
+        return keep_if_captured(cupy.zeros(n, dtype))
+    key = (purpose, device_id, stream.ptr)
+    buffer = _ZEROED.get(key)
+    if buffer is None or buffer.size < n or buffer.dtype != dtype:
+        buffer = _ZEROED[key] = cupy.zeros(max(n, least), dtype)
+    return buffer
+
+
+def zeroed_counters(device_id: int, n: int):
+    """zeroed uint32 counters (at least 1024)."""
+    return zeroed("counters", device_id, n, numpy.dtype(numpy.uint32), 1024)
 
 
 def keep_if_captured(x):
@@ -1058,21 +1070,26 @@ def launch_backward(
         return p.seqlen_k
 
     kv_heads = p.heads // p.kv_group
-    # The warp-specialised dK/dV kernel at WS_DQ_RING_HEAD_DIMS adds dQ into a ring of a few
-    # (K/V head, batch) slabs, zero here and at its exit, and rounds dq itself (flash_bwd_tc.cu,
-    # wait_for_slot). The others add into the whole workspace, which the preprocess clears (it
-    # reads its rows anyway) and the conversion rounds.
+    # The warp-specialised dK/dV kernel at WS_DQ_RING_HEAD_DIMS (where the mask is dense enough:
+    # takes_ring) adds dQ into a ring of a few (K/V head, batch) slabs, zero at launch and at its exit (kept per stream: `zeroed`), and
+    # rounds dq itself (flash_bwd_tc.cu, wait_for_slot). The others add into the whole workspace,
+    # which the preprocess clears (it reads its rows anyway) and the conversion rounds.
     ws = getattr(dkdv_kernel, "ws", False) and not p.deterministic and p.cu_seqlens is None
     ring = 0
-    if ws and _instantiations.padded_head_dim(p.head_dim) in _instantiations.WS_DQ_RING_HEAD_DIMS:
-        positions = dkdv_kernel.positions(launch_seqlen_k(dkdv_kernel))
-        blocks = dkdv_kernel.grid(p.batch, kv_heads, p.seqlen_q, launch_seqlen_k(dkdv_kernel),
-                                  sm_count=_sm_count(device_id))[0]
-        if blocks and p.seqlen_q:
-            ring = dkdv_kernel.ring_slabs(p.batch * kv_heads, positions, blocks,
+    if ws:  # its launch: the key-tile positions and grid
+        ws_seqlen_k = launch_seqlen_k(dkdv_kernel)
+        ws_positions = dkdv_kernel.positions(ws_seqlen_k)
+        ws_grid = dkdv_kernel.grid(p.batch, kv_heads, p.seqlen_q, ws_seqlen_k, sm_count=_sm_count(device_id))
+        density = 1.0 if p.block_mask is None else p.block_mask.density
+        if ws_grid[0] and p.seqlen_q and dkdv_kernel.takes_ring(density, p.seqlen_q):
+            ring = dkdv_kernel.ring_slabs(p.batch * kv_heads, ws_positions, ws_grid[0],
                                           p.kv_group * p.seqlen_q * p.head_dim * accum.itemsize)
     if ring:
-        dq_accum = cupy.zeros((p.seqlen_q, ring, p.kv_group, p.head_dim), accum)  # (flash_bwd_tc.cu, wait_for_slot)
+        elements = p.seqlen_q * ring * p.kv_group * p.head_dim  # (query, slot, head of the group, head dim)
+        if elements * accum.itemsize <= RING_KEPT_BYTES:
+            dq_accum = zeroed("dq ring", device_id, elements, accum)
+        else:
+            dq_accum = cupy.zeros(elements, accum)
     else:
         dq_accum = None if p.deterministic else cupy.empty((p.total_q, p.heads, p.head_dim), accum)
 
@@ -1142,20 +1159,18 @@ def launch_backward(
                 params = record.params(pointers)
     elif getattr(dkdv_kernel, "ws", False):  # (deterministic or varlen: the one-block build's paths)
         dkdv_kernel = dataclasses.replace(dkdv_kernel, ws=False)
+    if cupy.cuda.get_current_stream().is_capturing():  # the workspaces, which a graph's replays use
+        _CAPTURED.extend(x for x in (lse_log2, d, dq_accum) if x is not None)
 
     launch(_instantiations.bwd_row_kernel("preprocess", p.dtype_name, p.seqlen_q),
            record.params({**pointers, "dq_accum": 0}) if ring else params)  # (no clear: the ring is zero)
     if not ws:
         launch(dkdv_kernel, params)
-    else:
-        seqlen_k = launch_seqlen_k(dkdv_kernel)
-        grid = dkdv_kernel.grid(p.batch, kv_heads, p.seqlen_q, seqlen_k, sm_count=_sm_count(device_id))
-        if grid[0]:  # (no keys: nothing to launch)
-            positions = dkdv_kernel.positions(seqlen_k)
-            counters = zeroed_counters(device_id, dkdv_kernel.counters(kv_heads, p.batch))
-            _launch(dkdv_kernel, device_id, grid, params, maps, kv_maps, numpy.array(positions, numpy.int32),
-                    numpy.array(positions * kv_heads * p.batch, numpy.int32),
-                    numpy.array(counters.data.ptr, numpy.uint64), numpy.array(ring, numpy.int32))
+    elif ws_grid[0]:  # (no keys: nothing to launch)
+        counters = zeroed_counters(device_id, dkdv_kernel.counters(kv_heads, p.batch))
+        _launch(dkdv_kernel, device_id, ws_grid, params, maps, kv_maps, numpy.array(ws_positions, numpy.int32),
+                numpy.array(ws_positions * kv_heads * p.batch, numpy.int32),
+                numpy.array(counters.data.ptr, numpy.uint64), numpy.array(ring, numpy.int32))
     if not ring:
         launch(dq_kernel if p.deterministic else _instantiations.bwd_row_kernel("convert_dq", p.dtype_name, p.seqlen_q),
                params)

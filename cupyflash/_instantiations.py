@@ -752,7 +752,16 @@ WS_BACKWARD_BY_DEFAULT = {"0": False, "1": True}.get(os.environ.get("CUPYFLASH_H
 # WS_DQ_RING_BYTES: the bytes it may take (d64: 24 slabs at 4096 tokens);
 # CUPYFLASH_WS_DQ_RING_SLABS sets its slots outright (tests force one or two, so that every slab
 # waits for the one before).
+# WS_DQ_RING_MIN_STEPS: the ring only where a key block walks at least this many query blocks on
+# average (mask density x query blocks): each slab's rounding (two warps a block) then hides behind
+# the slab's products. Below it the rounding paces the launch (NOTES, session 42): d64 at 4096
+# tokens, whole calls on one H100, ring -> workspace: random 0.1 (3.2 steps) 0.608 -> 0.585 ms,
+# local 0.092 (2.9) 0.602 -> 0.545, random 0.05 (1.6) 0.590 -> 0.469, local 0.031 (1) 0.555 ->
+# 0.430. On an H200 (session 41, kernels alone) the ring was within noise at random 0.1 and 2%
+# faster at local 0.092: the rule gives those up for the H100's 4-9%. Random 0.25 (8 steps) and
+# the 16384-token masks (6.4 steps at 0.05) keep the ring.
 WS_DQ_RING_HEAD_DIMS = (64,)
+WS_DQ_RING_MIN_STEPS = 4.0
 WS_DQ_RING_BYTES = 24 << 20
 WS_DQ_RING_SLABS = int(os.environ.get("CUPYFLASH_WS_DQ_RING_SLABS", "0"))
 
@@ -956,6 +965,14 @@ class WgmmaBwdDkdvKernel(TcBwdDkdvKernel):
         """int32 counters the warp-specialised build takes (flash_bwd_tc.cu's DkdvCounters): the
         item claims and the rounding warps done, then two per (K/V head, batch) slab."""
         return 2 + 2 * kv_heads * batch
+
+    def takes_ring(self, density: float, seqlen_q: int) -> bool:
+        """Whether the warp-specialised build adds dQ into its ring (flash_bwd_tc.cu, wait_for_slot)
+        for a mask of this density (1: none): at WS_DQ_RING_HEAD_DIMS where a key block walks
+        WS_DQ_RING_MIN_STEPS query blocks or more on average, or wherever WS_DQ_RING_SLABS forces it."""
+        if not self.ws or self.head_dim not in WS_DQ_RING_HEAD_DIMS:
+            return False
+        return bool(WS_DQ_RING_SLABS) or density * math.ceil(seqlen_q / self.tile.block_m) >= WS_DQ_RING_MIN_STEPS
 
     def ring_slabs(self, slabs: int, positions: int, blocks: int, slab_bytes: int) -> int:
         """Slots of the warp-specialised build's dQ ring (flash_bwd_tc.cu, wait_for_slot): room for

@@ -104,6 +104,26 @@ def test_runs_on_the_current_stream(rng):
     assert_matches_reference(q, k, v, out, lse, "float16", False)
 
 
+def test_captured_calls_keep_what_their_replays_write(rng):
+    """A forward whose lse is not returned and a backward (its row statistics and dQ workspace),
+    captured into a CUDA graph, keep the buffers that the graph's replays write: arrays the pool
+    hands out after the capture, in the buffers' sizes, are left as they were by a replay."""
+    import cupy
+    from shapes import captured
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float16", 1, 300, 300, 2, 64))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    graph, _, stream = captured(lambda: (cupyflash.attention(q, k, v),
+                                         cupyflash.attention_backward(dout, q, k, v, out, lse)))
+    with stream:  # lse and the row statistics (float32, a row each), the dQ workspace
+        probes = [cupy.full(n, 7.0, cupy.float32) for n in [2 * 300] * 8 + [300 * 2 * 64] * 2]
+        for _ in range(2):
+            graph.launch(stream)
+    stream.synchronize()
+    assert all(bool((x == 7.0).all()) for x in probes), "a replay wrote into memory the pool handed on"
+
+
 def _record_pointers(monkeypatch):
     seen = {}
     real = _attention.launch_forward

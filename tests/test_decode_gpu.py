@@ -280,7 +280,7 @@ def test_decode_split_merge_counters(rng, nan_outputs, dtype):
         decode_and_check(rng, dtype, batch=2, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
                          cache_len=2000, num_splits=num_splits)
     cupy.cuda.Device().synchronize()
-    assert _attention._COUNTERS and not any(c.any() for c in _attention._COUNTERS.values())
+    assert _attention._ZEROED and not any(c.any() for c in _attention._ZEROED.values())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])

@@ -518,6 +518,21 @@ def test_the_dq_ring_holds_the_slabs_in_flight(monkeypatch):
     assert kernel.ring_slabs(1, 32, 132, 2 * mb) == 1
 
 
+def test_the_dq_ring_serves_masks_that_give_its_rounding_time(monkeypatch):
+    """The ring at WS_DQ_RING_HEAD_DIMS where a key block walks WS_DQ_RING_MIN_STEPS (4) query blocks
+    or more on average: at 4096 tokens from density 0.125 (4 blocks of 128 queries; the sparse
+    grid's 0.1 masks walk 3.2), at 16384 tokens from 0.05 (6.4 at 0.05); neither at d128 nor in the
+    one-block build; WS_DQ_RING_SLABS forces it at any density."""
+    d64 = _instantiations.WgmmaBwdDkdvKernel("bfloat16", 64, False, block_sparse=True, tma=True, ws=True)
+    d128 = _instantiations.WgmmaBwdDkdvKernel("bfloat16", 128, False, block_sparse=True, tma=True, ws=True)
+    assert [d64.takes_ring(density, 4096) for density in (1.0, 0.25, 0.125, 0.1, 0.05)] == [True] * 3 + [False] * 2
+    assert d64.takes_ring(0.05, 16384) and d64.takes_ring(1.0, 385) and not d64.takes_ring(1.0, 384)
+    assert not d128.takes_ring(1.0, 16384)
+    assert not dataclasses.replace(d64, ws=False).takes_ring(1.0, 16384)
+    monkeypatch.setattr(_instantiations, "WS_DQ_RING_SLABS", 2)
+    assert d64.takes_ring(0.01, 128) and not d128.takes_ring(1.0, 16384)
+
+
 @pytest.mark.parametrize("head_dim,density,ws", [(64, None, False), (128, None, False), (64, 1.0, False),
                                                  (64, 0.25, True), (64, 0.5, False), (112, 1.0, True),
                                                  (40, 0.125, True), (128, 0.5, True)])

@@ -325,7 +325,7 @@ def test_warp_specialised_forward(rng, monkeypatch, nan_outputs, hopper, dtype, 
     ws = hopper[-1]
     assert isinstance(ws, inst.WgmmaFwdWsKernel) and ws.block_sparse == block_sparse
     assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
-    assert _attention._COUNTERS and not any(c.any() for c in _attention._COUNTERS.values())
+    assert _attention._ZEROED and not any(c.any() for c in _attention._ZEROED.values())
 
     twin = inst.WgmmaFwdKernel(dtype, ws.head_dim, False, block_sparse=block_sparse, tma=True,
                                tile_override=inst.TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1))
@@ -484,7 +484,8 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
     whole workspace, which the conversion rounds. The ring holds every slab of these problems
     unless `ring` forces one or two slots (at d128 too), so that slabs wait for the rounding of
     those before them (with every block racing, or with one block whose own rounding warps free
-    its next slot); the counters are zero after."""
+    its next slot); with one block and no forced ring, d64 takes the whole workspace (as masks too
+    sparse for the ring do); the counters and the stream's kept ring are zero after."""
     import cupy
     from shapes import bits
 
@@ -496,7 +497,10 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
     monkeypatch.setattr(inst, "WS_DQ_RING_SLABS", ring)
     if ring:
         monkeypatch.setattr(inst, "WS_DQ_RING_HEAD_DIMS", (64, 128))
-    rounds_dq = inst.padded_head_dim(shape[5]) in inst.WS_DQ_RING_HEAD_DIMS
+    # Without a forced ring: at any density on every block, on one block never (d64 then takes the
+    # whole workspace, as below WS_DQ_RING_MIN_STEPS).
+    monkeypatch.setattr(inst, "WS_DQ_RING_MIN_STEPS", float("inf") if sm_count == 1 else 0.0)
+    rounds_dq = inst.padded_head_dim(shape[5]) in inst.WS_DQ_RING_HEAD_DIMS and sm_count != 1
     causal, window, block_sparse = TMA_VARIANTS[variant]
     q, k, v = _tma_inputs(rng, dtype, shape)
     q, dout = _strided_like(rng, q), _strided_like(rng, q)
@@ -531,6 +535,9 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
     left = cupy.ndarray((words,), cupy.int32, cupy.cuda.MemoryPointer(
         cupy.cuda.UnownedMemory(int(counters), 4 * words, None), 0))
     assert not left.any(), "the counters are left zero for the next launch"
+    rings = [x for key, x in _attention._ZEROED.items() if key[0] == "dq ring"]
+    assert bool(rings) or not rounds_dq
+    assert not any(x.any() for x in rings), "the stream's kept ring is left zero for the next launch"
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask, window=window)
     monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", False)
     steps.clear()
@@ -540,6 +547,46 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
     assert_gradients_match_reference(dout, q, k, v, one_block, dtype, causal, block_mask=mask, window=window)
     for got, want in zip(grads[1:], one_block[1:]):
         assert (bits(got.get()) == bits(want.get())).all()
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_warp_specialised_dkdv_kernel_captured_in_a_graph(rng, monkeypatch, hopper, dtype):
+    """A captured block-sparse backward keeps its workspaces, counters and dQ ring (two slots for
+    four slabs, three blocks) of its own: replayed on another stream while calls on the capturing
+    stream go on (with that stream's kept ring), every replay and every call gives the direct
+    call's dK, dV bit for bit and dQ within the reference's tolerance (its adds land in another
+    order), and the kept buffers are left zero."""
+    import cupy
+    from shapes import bits, captured, replay_into_nan
+
+    if not hopper.backward:
+        pytest.skip("the Hopper dK/dV kernel is switched off in this run")
+    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(inst, "WS_DQ_RING_SLABS", 2)
+    monkeypatch.setattr(_attention, "_sm_count", lambda device_id: 3)
+    q, k, v = _tma_inputs(rng, dtype, (2, 600, 500, 4, 2, 64))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    mask = BlockMask(rng.random((4, 5, 4)) < 0.6)
+    out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+
+    def backward():
+        return cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
+
+    want = [x.get() for x in backward()]
+    assert hopper[-1].ws
+    graph, outputs, capturing = captured(backward)
+    other = cupy.cuda.Stream(non_blocking=True)
+    for _ in range(3):
+        replay_into_nan(graph, outputs, other)
+        with capturing:
+            beside = backward()
+        other.synchronize()
+        capturing.synchronize()
+        for grads in (outputs, beside):
+            assert_gradients_match_reference(dout, q, k, v, grads, dtype, False, block_mask=mask)
+            for got, expected in zip(grads[1:], want[1:]):
+                numpy.testing.assert_array_equal(bits(got.get()), bits(expected))
+    assert not any(x.any() for x in _attention._ZEROED.values())
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
