@@ -554,7 +554,7 @@ def zeroed(purpose: str, device_id: int, n: int, dtype, least: int = 0):
 
 
 def zeroed_counters(device_id: int, n: int):
-    """zeroed uint32 counters (at least 1024)."""
+    """`zeroed`'s uint32 counters, at least 1024 of them."""
     return zeroed("counters", device_id, n, numpy.dtype(numpy.uint32), 1024)
 
 
@@ -1070,10 +1070,11 @@ def launch_backward(
         return p.seqlen_k
 
     kv_heads = p.heads // p.kv_group
-    # The warp-specialised dK/dV kernel at WS_DQ_RING_HEAD_DIMS (where the mask is dense enough:
-    # takes_ring) adds dQ into a ring of a few (K/V head, batch) slabs, zero at launch and at its exit (kept per stream: `zeroed`), and
-    # rounds dq itself (flash_bwd_tc.cu, wait_for_slot). The others add into the whole workspace,
-    # which the preprocess clears (it reads its rows anyway) and the conversion rounds.
+    # The warp-specialised dK/dV kernel at WS_DQ_RING_HEAD_DIMS, where the mask is dense enough
+    # (takes_ring), adds dQ into a ring of a few (K/V head, batch) slabs, zero at launch and at its
+    # exit (so kept per stream: `zeroed`), and rounds dq itself (flash_bwd_tc.cu, wait_for_slot).
+    # The others add into the whole workspace, which the preprocess clears (it reads its rows
+    # anyway) and the conversion rounds.
     ws = getattr(dkdv_kernel, "ws", False) and not p.deterministic and p.cu_seqlens is None
     ring = 0
     if ws:  # its launch: the key-tile positions and grid
