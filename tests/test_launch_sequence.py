@@ -1,0 +1,157 @@
+"""What `launch_backward` queues, on any machine: the host side of the backward (kernel choice, the
+dQ ring or workspace, the warp-specialised kernel's arguments, what a graph capture keeps) run
+against a stand-in Hopper device whose launches and allocations are recorded, not run. The GPU
+tests run the same paths for real; these catch wiring mistakes in CI, where no GPU reaches the
+launches (one such, a kernel launched with another build's arguments, failed 236 GPU tests)."""
+
+import math
+import types
+
+import numpy
+import pytest
+
+from cupyflash import BlockMask, _attention, _instantiations as inst, _tma, _validation
+from cupyflash._validation import BFLOAT16
+
+
+class StandIn:
+    """A CuPy array's face, as launch_backward reads it: shape, strides, dtype, an address of its
+    own, device 0."""
+
+    _next_address = 1 << 40
+
+    def __init__(self, shape, dtype):
+        self.shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.dtype = numpy.dtype(dtype)
+        self.ndim = len(self.shape)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        strides, step = [], self.dtype.itemsize
+        for n in reversed(self.shape):
+            strides.insert(0, step)
+            step *= n
+        self.strides = tuple(strides)
+        self.data = types.SimpleNamespace(ptr=StandIn._next_address)
+        StandIn._next_address += -(-max(self.nbytes, 1) // 512) * 512
+        self.device = types.SimpleNamespace(id=0)
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """A stand-in sm_90 device with 132 SMs and an H100's shared memory: `launches` records
+    (kernel, grid, extra arguments, params) per launch, `zeroed` the buffers cupy.zeros made, and
+    `capturing` says whether the current stream is being captured."""
+    import cupy
+
+    state = types.SimpleNamespace(launches=[], zeroed=[], capturing=False)
+
+    def zeros(shape, dtype=float):
+        state.zeroed.append(StandIn(shape, dtype))
+        return state.zeroed[-1]
+
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=float, order="C": StandIn(shape, dtype))
+    monkeypatch.setattr(cupy, "zeros", zeros)
+    stream = types.SimpleNamespace(ptr=7, is_capturing=lambda: state.capturing)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: stream)
+    monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: inst.WGMMA_COMPUTE_CAPABILITY)
+    monkeypatch.setattr(_attention, "large_shared_memory", lambda device_id: True)
+    monkeypatch.setattr(_attention, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(_attention, "_launch", lambda kernel, device_id, grid, params, *more:
+                        state.launches.append((kernel, grid, more, params)))
+    monkeypatch.setattr(_tma, "bwd_tensor_maps", lambda *args, **kwargs: numpy.ones(3 * _tma.TENSOR_MAP_BYTES, numpy.uint8))
+    monkeypatch.setattr(_tma, "kv_tensor_maps", lambda *args, **kwargs: numpy.ones(2 * _tma.TENSOR_MAP_BYTES, numpy.uint8))
+    monkeypatch.setattr(BlockMask, "device_arrays", lambda self, device_id: tuple(
+        StandIn(x.shape, x.dtype) for x in (self.kv_count, self.kv_index, self.q_count, self.q_index, self.key_order)))
+    monkeypatch.setattr(_attention, "_ZEROED", {})
+    monkeypatch.setattr(_attention, "_CAPTURED", [])
+    for name, value in (("WGMMA_BACKWARD_BY_DEFAULT", True), ("TMA_BACKWARD_BY_DEFAULT", True),
+                        ("WS_BACKWARD_BY_DEFAULT", None), ("WS_DQ_RING_SLABS", 0)):
+        monkeypatch.setattr(inst, name, value)
+    return state
+
+
+def backward(rng, head_dim, density=None, seqlen=4096, deterministic=False, heads=2):
+    """Queues one bfloat16 backward (batch 1, `heads` heads) with a random block mask of `density`
+    (None: unmasked); returns the launches' step names."""
+    shape = (1, seqlen, heads, head_dim)
+    q, k, v, out, dout = (numpy.empty(shape, BFLOAT16) for _ in range(5))
+    lse = numpy.empty((1, heads, seqlen), numpy.float32)
+    p = _validation.check_backward_args(dout, q, k, v, out, lse, causal=False, scale=None, deterministic=deterministic)
+    if density is not None:
+        n = -(-seqlen // 128)
+        p = _validation.check_block_mask(BlockMask(rng.random((heads, n, n)) < density), p)
+    arrays = [StandIn(x.shape, x.dtype) for x in (dout, q, k, v, out, lse, q, k, v)]
+    _attention.launch_backward(*arrays, p)
+
+
+def steps(state):
+    names = {inst.TcBwdDkdvKernel: "dK/dV", inst.TcBwdDqKernel: "dQ"}
+    return [getattr(kernel, "step", None) or next(name for kind, name in names.items() if isinstance(kernel, kind))
+            for kernel, *_ in state.launches]
+
+
+def field(params, name: str) -> int:
+    return int(params[name][0])
+
+
+def dkdv_launch(state):
+    (launch,) = [x for x in state.launches if isinstance(x[0], inst.TcBwdDkdvKernel)]
+    return launch
+
+
+@pytest.mark.parametrize("density,ring", [(0.25, True), (0.05, False)])
+def test_warp_specialised_launch_takes_its_arguments(rng, device, density, ring):
+    """A d64 block-sparse backward: preprocess, then the warp-specialised dK/dV kernel with its six
+    further arguments (Q/dO/dQ maps, K/V maps, positions, items, counters, ring slots); with the
+    ring (8 query blocks a key block) no conversion follows and the preprocess clears nothing,
+    without it (1.6) the conversion rounds the whole workspace."""
+    backward(rng, 64, density)
+    kernel, grid, more, params = dkdv_launch(device)
+    assert kernel.ws and len(more) == 6
+    positions, items, counters, slots = (int(x) for x in more[2:])
+    assert (positions, items, grid) == (32, 64, (64, 1, 1))
+    assert counters == _attention._ZEROED[("counters", 0, 7)].data.ptr
+    preprocess = device.launches[0][3]
+    if ring:
+        assert steps(device) == ["preprocess", "dK/dV"] and slots == 2  # every slab its own slot
+        assert field(preprocess, "dq_accum") == 0
+        assert field(params, "dq_accum") == _attention._ZEROED[("dq ring", 0, 7)].data.ptr
+    else:
+        assert steps(device) == ["preprocess", "dK/dV", "convert_dq"] and slots == 0
+        assert field(preprocess, "dq_accum") == field(params, "dq_accum") != 0
+        assert ("dq ring", 0, 7) not in _attention._ZEROED
+
+
+def test_the_kept_ring_is_not_cleared_again(rng, device):
+    """The stream's ring is made (zeroed) once; later calls of the same or a smaller size reuse it."""
+    backward(rng, 64, 0.25)
+    made = len(device.zeroed)
+    first = field(dkdv_launch(device)[3], "dq_accum")
+    device.launches.clear()
+    backward(rng, 64, 0.25, heads=1)
+    assert len(device.zeroed) == made and field(dkdv_launch(device)[3], "dq_accum") == first
+
+
+@pytest.mark.parametrize("head_dim,density,deterministic", [(128, 0.25, False), (64, None, False), (64, 0.25, True)])
+def test_other_builds_take_the_workspace(rng, device, head_dim, density, deterministic):
+    """d128 (warp-specialised, no ring), unmasked d64 (the one-block TMA build) and deterministic
+    mode (the one-block build without TMA and the dQ kernel): each dK/dV launch with the arguments
+    of its own build (the one-block builds: one map set), and dQ from the workspace or the dQ kernel."""
+    backward(rng, head_dim, density, deterministic=deterministic)
+    kernel, _, more, _ = dkdv_launch(device)
+    assert len(more) == (6 if kernel.ws else 1)
+    assert kernel.ws == (head_dim == 128) and kernel.tma == (not deterministic)
+    assert steps(device) == ["preprocess", "dK/dV", "dQ" if deterministic else "convert_dq"]
+    if kernel.ws:
+        assert int(more[-1]) == 0
+
+
+def test_a_captured_backward_keeps_its_buffers(rng, device):
+    """Under graph capture the row statistics, the ring and the counters are the call's own, kept
+    for the process's life, and the stream's kept buffers are not touched."""
+    device.capturing = True
+    backward(rng, 64, 0.25)
+    _, _, more, params = dkdv_launch(device)
+    kept = {x.data.ptr for x in _attention._CAPTURED}
+    assert not _attention._ZEROED
+    assert {field(params, "dq_accum"), field(params, "lse_log2"), field(params, "d"), int(more[4])} <= kept
