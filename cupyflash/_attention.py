@@ -558,12 +558,13 @@ def zeroed_counters(device_id: int, n: int):
     return zeroed("counters", device_id, n, numpy.dtype(numpy.uint32), 1024)
 
 
-def keep_if_captured(x):
-    """x, kept alive for the process's life if the current stream is being captured into a graph."""
+def keep_if_captured(x, *more):
+    """x, kept alive for the process's life with the other arrays given (None: skipped) if the
+    current stream is being captured into a graph."""
     import cupy
 
     if cupy.cuda.get_current_stream().is_capturing():
-        _CAPTURED.append(x)
+        _CAPTURED.extend(y for y in (x, *more) if y is not None)
     return x
 
 
@@ -1160,8 +1161,7 @@ def launch_backward(
                 params = record.params(pointers)
     elif getattr(dkdv_kernel, "ws", False):  # (deterministic or varlen: the one-block build's paths)
         dkdv_kernel = dataclasses.replace(dkdv_kernel, ws=False)
-    if cupy.cuda.get_current_stream().is_capturing():  # the workspaces, which a graph's replays use
-        _CAPTURED.extend(x for x in (lse_log2, d, dq_accum) if x is not None)
+    keep_if_captured(lse_log2, d, dq_accum)  # the workspaces, which a graph's replays use
 
     launch(_instantiations.bwd_row_kernel("preprocess", p.dtype_name, p.seqlen_q),
            record.params({**pointers, "dq_accum": 0}) if ring else params)  # (no clear: the ring is zero)

@@ -536,7 +536,9 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
         cupy.cuda.UnownedMemory(int(counters), 4 * words, None), 0))
     assert not left.any(), "the counters are left zero for the next launch"
     rings = [x for key, x in _attention._ZEROED.items() if key[0] == "dq ring"]
-    assert bool(rings) or not rounds_dq
+    if rounds_dq:  # the stream's kept ring, not a fresh one
+        ring_of_stream = _attention._ZEROED[("dq ring", q.device.id, cupy.cuda.get_current_stream().ptr)]
+        assert int(dkdv[2]["dq_accum"][0]) == ring_of_stream.data.ptr
     assert not any(x.any() for x in rings), "the stream's kept ring is left zero for the next launch"
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask, window=window)
     monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", False)
