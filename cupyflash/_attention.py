@@ -614,8 +614,9 @@ def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores
     it, unless tensor_cores=False; among those the Hopper one where `wgmma_for` allows it, or with
     wgmma=True; that one's TMA build where it has one, unless tma=False or CUPYFLASH_HOPPER_TMA=0
     (`_instantiations.TMA_FORWARD_BY_DEFAULT`); in place of the unmasked TMA builds at
-    `_instantiations.WS_FORWARD_HEAD_DIMS` the warp-specialised kernel, unless ws=False or
-    CUPYFLASH_HOPPER_WS=0 (`_instantiations.WS_FORWARD_BY_DEFAULT`)."""
+    `_instantiations.WS_FORWARD_HEAD_DIMS` the warp-specialised kernel with ws=True, or by default
+    (ws=None) where `_instantiations.ws_forward_by_default` allows (at d64: block masks whose query
+    tiles walk few key blocks), unless CUPYFLASH_HOPPER_WS=0 (`_instantiations.WS_FORWARD_BY_DEFAULT`)."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
     if wgmma is None:
@@ -623,7 +624,9 @@ def forward_kernel(p: _validation.AttentionProblem, device_id: int, tensor_cores
     if tma is None:
         tma = _instantiations.TMA_FORWARD_BY_DEFAULT
     if ws is None:
-        ws = _instantiations.WS_FORWARD_BY_DEFAULT
+        density = None if p.block_mask is None else p.block_mask.density
+        ws = _instantiations.WS_FORWARD_BY_DEFAULT and _instantiations.ws_forward_by_default(
+            _instantiations.padded_head_dim(p.head_dim), density, p.seqlen_k)
     return _instantiations.fwd_kernel(
         p.dtype_name, p.head_dim, p.local, tensor_cores, p.block_mask is not None, p.modified, p.varlen, wgmma,
         wgmma and tma, wgmma and tma and ws,

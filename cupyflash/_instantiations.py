@@ -835,13 +835,30 @@ class WgmmaFwdKernel(_TcKernel):
 # WgmmaFwdWsTraits): one producer warpgroup issuing the TMA copies and block_m / 64 consumer
 # warpgroups, one block per SM walking the query tiles in turn. It serves the unmasked problems
 # (dense or block-sparse) at WS_FORWARD_HEAD_DIMS whose arrays take tensor maps, unless
-# CUPYFLASH_HOPPER_WS=0. On an H200 (benchmarks/ws_ab.py, session 32; kernels alone, bf16, b4 s4096
-# h16) it took 0.92x the d128 TMA build's time dense and 0.80x at mask densities 0.1-0.05. At d64
-# every tile and schedule tried (before its O_i went out by the TMA) took 1.09-1.18x the TMA
-# build's (three one-warpgroup blocks per SM, whose softmax and products the SM interleaves), so
-# d64 keeps that build.
-WS_FORWARD_HEAD_DIMS = (128,)
+# CUPYFLASH_HOPPER_WS=0, where `ws_forward_by_default` allows. On an H200 (benchmarks/ws_ab.py,
+# session 32; kernels alone, bf16, b4 s4096 h16) it took 0.92x the d128 TMA build's time dense and
+# 0.80x at mask densities 0.1-0.05. At d64 it loses to the TMA build (three one-warpgroup blocks
+# per SM, whose softmax and products the SM interleaves) where the query tiles are long: 1.03-1.09x
+# dense and at 6.4-12.8 key blocks a tile (session 43, H200). It wins where they are short, its
+# next tile's Q_i and first K_j, V_j landing while this one ends: 0.92-0.94x at 1-3.2 key blocks a
+# tile (s4096 random 0.1 and 0.05, local 0.092 and 0.031). So at d64 it serves block masks whose
+# tiles walk at most WS_FORWARD_MAX_STEPS key blocks on average (density x key blocks).
+WS_FORWARD_HEAD_DIMS = (64, 128)
+WS_FORWARD_MAX_STEPS = {64: 4.0}
 WS_FORWARD_BY_DEFAULT = os.environ.get("CUPYFLASH_HOPPER_WS", "1") != "0"
+
+
+def ws_forward_by_default(padded_head_dim: int, density: float | None, seqlen_k: int) -> bool:
+    """Whether the warp-specialised forward serves a problem unless told: at WS_FORWARD_HEAD_DIMS;
+    where WS_FORWARD_MAX_STEPS bounds the head dim, only for a block mask (`density`; None without
+    one) whose query tiles walk at most that many key blocks of the kernel's tile on average."""
+    if padded_head_dim not in WS_FORWARD_HEAD_DIMS:
+        return False
+    most = WS_FORWARD_MAX_STEPS.get(padded_head_dim)
+    if most is None:
+        return True
+    key_blocks = math.ceil(seqlen_k / WGMMA_FWD_WS_TILES[padded_head_dim].block_n)
+    return density is not None and density * key_blocks <= most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -855,8 +872,10 @@ class WsTileShape:
         return 4 * (self.block_m // 64 + 1)
 
 
-# Two consumer warpgroups; two stages fill the shared memory with both Q_i buffers (193 KiB).
+# Two consumer warpgroups; at d128 two stages fill the shared memory with both Q_i buffers (193
+# KiB). d64 (98 KiB) measured three and four stages no faster (session 43, H200).
 WGMMA_FWD_WS_TILES = {
+    64: WsTileShape(128, 128, 2),
     128: WsTileShape(128, 128, 2),
 }
 

@@ -301,13 +301,13 @@ def test_the_hopper_forward_takes_its_tma_builds_where_they_exist(monkeypatch, h
 
 @pytest.mark.parametrize("head_dim,causal,sparse,ws", [
     (100, False, False, True), (112, False, True, True), (128, False, False, True), (128, False, True, True),
-    (64, False, False, False), (40, False, True, False), (128, True, True, False), (160, False, False, False),
+    (64, False, False, True), (40, False, True, True), (128, True, True, False), (160, False, False, False),
 ])
 def test_the_warp_specialised_forward_serves_unmasked_tma_problems(monkeypatch, head_dim, causal, sparse, ws):
-    """By default (WS_FORWARD_BY_DEFAULT, off with CUPYFLASH_HOPPER_WS=0) or with ws=True, the
-    unmasked problems (dense or block-sparse) at WS_FORWARD_HEAD_DIMS take the warp-specialised
-    kernel; d64 and local ones keep the TMA build. Its instantiations are in the list every check
-    compiles."""
+    """With ws=True the unmasked problems (dense or block-sparse) at WS_FORWARD_HEAD_DIMS take the
+    warp-specialised kernel; local ones keep the TMA build. By default (WS_FORWARD_BY_DEFAULT, off
+    with CUPYFLASH_HOPPER_WS=0) d128 takes it, d64 only for a sparse enough mask (next test). Its
+    instantiations are in the list every check compiles."""
     from cupyflash import _attention, _validation
 
     monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: 90)
@@ -324,7 +324,8 @@ def test_the_warp_specialised_forward_serves_unmasked_tma_problems(monkeypatch, 
     monkeypatch.setattr(_instantiations, "WS_FORWARD_BY_DEFAULT", False)
     assert not isinstance(_attention.forward_kernel(p, 0), _instantiations.WgmmaFwdWsKernel)
     monkeypatch.setattr(_instantiations, "WS_FORWARD_BY_DEFAULT", True)
-    assert _attention.forward_kernel(p, 0) == kernel
+    # (the d64 mask walks 3 key blocks a tile)
+    assert (_attention.forward_kernel(p, 0) == kernel) == (not ws or head_dim > 64 or sparse)
     if ws:
         assert kernel.block_sparse == sparse and kernel.num_threads == 384
         assert kernel.name_expression.endswith(f", {str(sparse).lower()}>")
@@ -332,11 +333,42 @@ def test_the_warp_specialised_forward_serves_unmasked_tma_problems(monkeypatch, 
         assert kernel.grid(4, 32, 4096, sm_count=132) == (132, 1, 1)
         # A mask block always holds whole query tiles of it.
         assert _instantiations.block_mask_granularity("bfloat16", head_dim)[0] % kernel.tile.block_m == 0
-    for args, kwargs in ((("bfloat16", 128, True), {}), (("bfloat16", 64, False), {}),
+    for args, kwargs in ((("bfloat16", 128, True), {}), (("bfloat16", 64, False), {"score_mod": True}),
                          (("bfloat16", 128, False), {"block_sparse": True,
                                                      "tile_override": _instantiations.WsTileShape(192, 64, 2)})):
         with pytest.raises(ValueError, match="warp-specialised"):
             _instantiations.WgmmaFwdWsKernel(*args, **kwargs)
+
+
+@pytest.mark.parametrize("seqlen_k,kept,takes", [
+    (4096, 0.1, True), (4096, 0.125, True), (4096, 0.13, False), (4096, 0.25, False), (4096, 1.0, False),
+    (16384, 0.03, True), (16384, 0.05, False), (300, 1.0, True), (300, 0.0, True), (None, None, False),
+])
+def test_d64_takes_the_warp_specialised_forward_for_short_query_tiles(monkeypatch, seqlen_k, kept, takes):
+    """At d64 the warp-specialised forward serves by default only block masks whose query tiles walk
+    at most WS_FORWARD_MAX_STEPS (4) key blocks of 128 on average: density x ceil(seqlen_k / 128).
+    Problems without a mask keep the TMA build (seqlen_k None: an unmasked problem of 300 keys)."""
+    from cupyflash import _attention, _validation
+
+    monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: 90)
+    monkeypatch.setattr(_instantiations, "WGMMA_FORWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(_instantiations, "TMA_FORWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(_instantiations, "WS_FORWARD_BY_DEFAULT", True)
+    n_k = 3 if seqlen_k is None else -(-seqlen_k // 128)
+    q = numpy.zeros((1, 256, 2, 64), _validation.BFLOAT16)
+    k = numpy.zeros((1, 300 if seqlen_k is None else seqlen_k, 2, 64), _validation.BFLOAT16)
+    p = _validation.check_attention_args(q, k, k, causal=False, scale=None, return_lse=True)
+    if kept is not None:
+        dense = numpy.zeros((2, 2, n_k), bool)
+        dense.reshape(-1)[:round(kept * dense.size)] = True
+        mask = BlockMask(dense)
+        assert mask.density == pytest.approx(kept, abs=5e-3)
+        p = _validation.check_block_mask(mask, p)
+    kernel = _attention.forward_kernel(p, 0)
+    assert isinstance(kernel, _instantiations.WgmmaFwdWsKernel) == takes
+    assert kernel in _instantiations.all_kernels("sm_90a")
+    monkeypatch.setattr(_instantiations, "WS_FORWARD_BY_DEFAULT", False)
+    assert _attention.forward_kernel(p, 0).tma
 
 
 def test_tma_builds_take_no_score_modifiers_and_no_packed_sequences():

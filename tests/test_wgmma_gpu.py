@@ -289,11 +289,13 @@ def assert_build_gives_the_same_bits(kernel, q, k, v, out, lse, mask, **options)
     assert (bits(lse.get()) == bits(lse_twin.get())).all()
 
 
-# (batch, seqlen_q, seqlen_k, heads, K/V heads, head dim padded to 128, rows of whole 16 bytes so
-# that the strided K and V of _tma_inputs take tensor maps): one-row and one-key problems, tiles
-# cut by both sequence ends, GQA, head dims inside the last panel, seqlen_q a tile multiple and not.
+# (batch, seqlen_q, seqlen_k, heads, K/V heads, head dim padded to 128 or 64, rows of whole 16
+# bytes so that the strided K and V of _tma_inputs take tensor maps): one-row and one-key problems,
+# tiles cut by both sequence ends, GQA, head dims inside the last panel, seqlen_q a tile multiple
+# and not.
 WS_SHAPES = [(2, 70, 1, 4, 2, 128), (2, 1, 17, 3, 3, 104), (2, 203, 331, 4, 2, 120), (3, 129, 257, 2, 2, 112),
-             (1, 515, 700, 4, 4, 128), (1, 1023, 1024, 2, 1, 128), (1, 1024, 1023, 2, 2, 120)]
+             (1, 515, 700, 4, 4, 128), (1, 1023, 1024, 2, 1, 128), (1, 1024, 1023, 2, 2, 120),
+             (2, 1, 17, 3, 3, 40), (2, 203, 331, 4, 2, 64), (1, 515, 700, 4, 4, 56), (1, 1023, 1024, 2, 1, 64)]
 
 
 @pytest.mark.parametrize("sm_count", [None, 1, 3])
@@ -306,8 +308,10 @@ def test_warp_specialised_forward(rng, monkeypatch, nan_outputs, hopper, dtype, 
     the same tiles). sm_count forces the persistent grid down to 1 or 3 blocks, so that each claims
     many tiles and walks them through both Q_i buffers and round the K_j, V_j ring; the launch
     leaves its claim counter zeroed. Block-sparse masks leave a mask row empty (output 0, lse -inf)
-    where there are two. Q, K and V are strided views."""
+    where there are two. Q, K and V are strided views. d64 takes it here for every problem, not
+    only for masks as sparse as WS_FORWARD_MAX_STEPS asks."""
     monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(inst, "WS_FORWARD_MAX_STEPS", {})
     if sm_count is not None:
         monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count)
     q, k, v = _tma_inputs(rng, dtype, shape)
