@@ -840,7 +840,7 @@ class WgmmaFwdKernel(_TcKernel):
 # 0.80x at mask densities 0.1-0.05. At d64 it loses to the TMA build (three one-warpgroup blocks
 # per SM, whose softmax and products the SM interleaves) where the query tiles are long: 1.03-1.09x
 # dense and at 6.4-12.8 key blocks a tile (session 43, H200). It wins where they are short, its
-# next tile's Q_i and first K_j, V_j landing while this one ends: 0.92-0.94x at 1-3.2 key blocks a
+# next tile's Q_i and first K_j, V_j landing while this one ends: 0.91-0.95x at 1-3.2 key blocks a
 # tile (s4096 random 0.1 and 0.05, local 0.092 and 0.031). So at d64 it serves block masks whose
 # tiles walk at most WS_FORWARD_MAX_STEPS key blocks on average (density x key blocks).
 WS_FORWARD_HEAD_DIMS = (64, 128)
