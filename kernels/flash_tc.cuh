@@ -275,7 +275,7 @@ __device__ __forceinline__ void rescale_row(float (&O)[Kt::kMTiles][Kt::kHeadDim
 // per SM, 2.5% slower; benchmarks/NOTES.md, session 23.)
 constexpr float kLazyRescaleLog2 = 8.f;
 
-template <typename Kt, bool kLazy = false>
+template <typename Kt, bool kLazy = false, bool kFirst = false>
 __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kNTiles][4],
                                                float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
                                                float (&m)[Kt::kMTiles][2], float (&l)[Kt::kMTiles][2],
@@ -308,6 +308,20 @@ __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kN
             for (int h = 0; h < 2; ++h) {
                 const float m_safe = m[mt][h] == neg_inf<float>() ? 0.f : m[mt][h];
                 l[mt][h] += exponentiate_row<Kt>(S, mt, h, scale_log2, m_safe);
+            }
+        return;
+    }
+    if constexpr (kFirst) {
+        // A query tile's first key block (FlashAttention-3's first step): m_i and l_i start
+        // here, and O_i, which the first P_ij V_j overwrites, has nothing to rescale. The same
+        // values as the general step's from m_i = -inf, l_i = 0, O_i = 0.
+#pragma unroll
+        for (int mt = 0; mt < Kt::kMTiles; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                m[mt][h] = row_max_log2<Kt>(S, mt, h, scale_log2);
+                const float m_safe = m[mt][h] == neg_inf<float>() ? 0.f : m[mt][h];
+                l[mt][h] = exponentiate_row<Kt>(S, mt, h, scale_log2, m_safe);
             }
         return;
     }

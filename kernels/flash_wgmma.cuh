@@ -38,7 +38,8 @@ __device__ __forceinline__ void wgmma_abt(float (&C)[kTiles][4], unsigned sA_row
 // [kRowsB][head dim] tile read MN-major: O_i += P_ij V_j in the forward, dV_j += P^T dO_i and
 // dK_j += dS^T Q_i in the backward. Each k16 step is an m64 n64 k16 product per 64-column panel
 // of B (16 of its rows: 16 rows of 128 bytes).
-template <typename Tt, int kRowsB, bool kWait = true>
+// kOverwrite: C = A B instead (its first k step does not read C, which may be unset).
+template <typename Tt, int kRowsB, bool kWait = true, bool kOverwrite = false>
 __device__ __forceinline__ void wgmma_ab_rs(float (&C)[Tt::kHeadDim / 8][4], unsigned (&A)[kRowsB / 16][4], unsigned sB) {
     const unsigned long long b_desc = smem_descriptor(sB, Tt::row_bytes(kRowsB), kSwizzleAtomBytes);
     fence_operands(C);  // C's rescale and A are written before the fence
@@ -49,7 +50,8 @@ __device__ __forceinline__ void wgmma_ab_rs(float (&C)[Tt::kHeadDim / 8][4], uns
         static_for<0, Tt::kPanels>([&](auto panel) {
             constexpr int kPanel = decltype(panel)::value;
             Wgmma<typename Tt::Element>::template rs<kPanelColumns, kPanel * kPanelColumns / 8>(
-                C, A[ks], descriptor_at(b_desc, kPanel * Tt::row_bytes(kRowsB) + Tt::row_bytes(16 * ks)), 1);
+                C, A[ks], descriptor_at(b_desc, kPanel * Tt::row_bytes(kRowsB) + Tt::row_bytes(16 * ks)),
+                kOverwrite && ks == 0 ? 0 : 1);
         });
     wgmma_commit();
     if constexpr (kWait) {
