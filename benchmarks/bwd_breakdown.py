@@ -96,6 +96,20 @@ class Launches(list):
     kept: list
 
 
+def problem_calls(q, k, v, dout, mask=None):
+    """(forward, backward): zero-argument calls of the problem, dense (mask None) or block-sparse;
+    the backward takes the out and lse of one forward made here."""
+    import cupyflash
+
+    if mask is None:
+        out, lse = cupyflash.attention(q, k, v, return_lse=True)
+        return (lambda: cupyflash.attention(q, k, v, return_lse=True),
+                lambda: cupyflash.attention_backward(dout, q, k, v, out, lse))
+    out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+    return (lambda: cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True),
+            lambda: cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask))
+
+
 def record_launches(call) -> Launches:
     """The kernel launches one call makes, as (kernel, device id, grid, params, more): copies of
     the argument images, to replay through `_attention._launch`. The call itself runs too."""

@@ -27,8 +27,7 @@ def main(argv=None):
     import cupy
 
     import bench_sparse
-    import cupyflash
-    from bwd_breakdown import record_launches, replay_us
+    from bwd_breakdown import problem_calls, record_launches, replay_us
     from cupyflash._validation import BFLOAT16
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -54,20 +53,12 @@ def main(argv=None):
                              for _ in range(4))
             problems = [("dense", None)] + [(f"random {masks[x].density:.3f}", masks[x]) for x in densities]
             for name, mask in problems:
-                if mask is None:
-                    out, lse = cupyflash.attention(q, k, v, return_lse=True)
-                    fwd = lambda: cupyflash.attention(q, k, v, return_lse=True)  # noqa: E731
-                    bwd = lambda: cupyflash.attention_backward(dout, q, k, v, out, lse)  # noqa: E731
-                else:
-                    out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
-                    fwd = lambda: cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)  # noqa: E731
-                    bwd = lambda: cupyflash.block_sparse_attention_backward(  # noqa: E731
-                        dout, q, k, v, out, lse, mask)
+                fwd, bwd = problem_calls(q, k, v, dout, mask)
                 for direction, call in (("fwd", fwd), ("bwd", bwd)):
                     us = replay_us(record_launches(call))
                     times.setdefault((name, direction), []).append(us)
                     print(f"d{d} batch {batch:>2} {name:>12} {direction}: {us:9.1f} us", flush=True)
-            del q, k, v, dout, out, lse
+            del q, k, v, dout
             cupy.get_default_memory_pool().free_all_blocks()
 
         x = numpy.array(batches, float)

@@ -644,7 +644,8 @@ def launch_forward(
     the warp-specialised kernel the TMA build where Q's, K's, V's or O's has none."""
     device_id = q.device.id
     kernel = kernel or forward_kernel(p, device_id, tensor_cores, wgmma)
-    pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr}
+    pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr,
+                "query_tile_order": _query_tile_order(p, kernel, device_id)}
 
     def static_fields():
         fields = {}
@@ -673,6 +674,7 @@ def launch_forward(
             return
         kernel = _instantiations.fwd_kernel(p.dtype_name, p.head_dim, False, True, kernel.block_sparse, wgmma=True,
                                             tma=True)
+        pointers["query_tile_order"] = _query_tile_order(p, kernel, device_id)
     more = ()  # flash_fwd_tc.cu's kernels also take K's and V's tensor maps (KvTensorMaps)
     if kernel.source_file == "flash_fwd_tc.cu":
         maps = None
@@ -687,6 +689,18 @@ def launch_forward(
                 kernel = _instantiations.without_tma(kernel)
         more = (_tma.NO_MAPS if maps is None else maps,)
     _launch(kernel, device_id, kernel.grid(p.batch, p.heads, p.seqlen_q), record.params(pointers), *more)
+
+
+def _query_tile_order(p: _validation.AttentionProblem, kernel, device_id: int) -> int:
+    """FwdParams.query_tile_order for `kernel`: the address of its tiles' order on the problem's
+    block mask (BlockMask.query_tile_order), or 0 (the launch's own order). The block-sparse
+    warp-specialised forward reads it; the one-block-per-tile builds do not (in the d64 TMA
+    build, the tile coordinates read from it made every block-sparse launch 5-7% slower on an
+    H100, whatever the order; benchmarks/NOTES.md, session 45)."""
+    if p.block_mask is None or not (isinstance(kernel, _instantiations.WgmmaFwdWsKernel) and kernel.block_sparse):
+        return 0
+    order = p.block_mask.query_tile_order(p.batch, p.heads, p.seqlen_q, kernel.tile.block_m, device_id)
+    return 0 if order is None else order.data.ptr
 
 
 class _LaunchRecord:

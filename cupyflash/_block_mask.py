@@ -65,6 +65,7 @@ class BlockMask:
             array.setflags(write=False)
         self._nonzero = int(self.kv_count.sum())
         self._on_device = {}
+        self._tile_orders = {}  # query_tile_order's, per launch shape and device
         # Calls' checked problems with this mask (`_attention._checked_problem`), kept here rather
         # than in a global cache so that they go when the mask goes. They hold no reference to it.
         self._checked_problems = {}
@@ -247,6 +248,56 @@ class BlockMask:
                 arrays = (self.kv_count, self.kv_index, self.q_count, self.q_index, self.key_order)
                 self._on_device[device_id] = tuple(cupy.asarray(x) for x in arrays)
         return self._on_device[device_id]
+
+    def query_tile_order(self, batch: int, heads: int, seqlen_q: int, tile_rows: int, device_id: int):
+        """The order in which the block-sparse warp-specialised forward claims a launch's query
+        tiles of `tile_rows` rows: int32 tile indices (query tile fastest, then head, then batch,
+        as the launch numbers them) on the device, or None for the launch's own order.
+
+        Claimed in index order, a launch ends on the tiles claimed last: on a mask whose rows
+        differ in length (BigBird's global rows see every key block, a block-causal mask's last
+        row sees them all), a long tile claimed late runs on alone at the end (an H100, d128:
+        BigBird at 16384 tokens took 1.5x density x the dense time). So the longest go first
+        (Graham's longest-processing-time rule), by class: a tile's class is its row's key
+        blocks against the median row's in powers of two, rounded to the nearest. Within a class
+        the tiles keep index order, in which a head's tiles run together and share its K and V in
+        L2. Where no tile is in a class above the median's (the sparse benchmark's random and
+        local masks), the launch's own order. Rows with no block go last (longest_rows_first)."""
+        key = (batch, heads, seqlen_q, tile_rows, device_id)
+        if key in self._tile_orders:
+            return self._tile_orders[key]
+        order = longest_rows_first(self.tile_key_blocks(batch, heads, seqlen_q, tile_rows))
+        if order is not None:
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                order = cupy.asarray(order)
+        # Kept as long as the mask (one small array per launch shape): a call captured in a CUDA
+        # graph goes on reading it.
+        self._tile_orders[key] = order
+        return order
+
+    def tile_key_blocks(self, batch: int, heads: int, seqlen_q: int, tile_rows: int) -> numpy.ndarray:
+        """The key blocks of each query tile of `tile_rows` rows (a divisor of block_q) of a
+        launch, in its numbering: query tile fastest, then head, then batch."""
+        rows = numpy.arange(math.ceil(seqlen_q / tile_rows)) * tile_rows // self._block_size[0]
+        return numpy.broadcast_to(self.kv_count, (batch, heads, self.kv_count.shape[-1]))[..., rows].reshape(-1)
+
+
+def longest_rows_first(counts: numpy.ndarray):
+    """The order of BlockMask.query_tile_order for tiles of these key-block counts, as int32: by
+    class, floor(log2(count / median count) + 0.5), the highest first and index order within a
+    class, tiles with no block last. None (index order) where no tile is in a class above the
+    median's: no tile is long enough to leave a tail, and the local masks' shorter first and
+    last rows stay among their heads' tiles."""
+    if not counts.any():
+        return None
+    median = numpy.median(counts[counts > 0])
+    with numpy.errstate(divide="ignore"):
+        classes = numpy.floor(numpy.log2(counts / median) + 0.5)  # -inf for a tile with no block
+    if classes.max() < 1:
+        return None
+    return numpy.argsort(-classes, kind="stable").astype(numpy.int32)
 
 
 def _last_diagonal_key(i, block_q: int, seqlen_q: int, seqlen_k: int):

@@ -1111,7 +1111,8 @@ FWD_PARAMS_DTYPE = numpy.dtype(
     + _MASK_FIELDS
     + [("lse_batch_stride", "i8"), ("lse_head_stride", "i8")]
     + _VARLEN_FIELDS
-    + _DROPOUT_FIELDS,
+    + _DROPOUT_FIELDS
+    + [("query_tile_order", "u8")],
     align=True,
 )
 

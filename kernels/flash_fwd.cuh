@@ -54,6 +54,11 @@ struct FwdParams {
     unsigned dropout_offset;
     unsigned dropout_threshold;  // round(p·2^32); 0: no dropout
     double dropout_rescale;      // 1 / (1 - p) for that p: the kept probabilities' factor; 1 without dropout
+    // The block-sparse warp-specialised forward (flash_fwd_ws_kernel; the other kernels ignore
+    // it): the order it claims the launch's query tiles in (entries: query tile + m_tiles x
+    // (head + heads x batch)), the tiles of mask rows with many key blocks first, so that the
+    // launch does not end on a long tile claimed last. nullptr: index order (BlockMask.query_tile_order).
+    const int* query_tile_order;
 };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T x[N]; };

@@ -204,7 +204,8 @@ static_assert(sizeof(FwdWsTensorMaps) == 512, "cupyflash/_tma.py passes 4 x 128 
 // The n_tiles = query tiles x heads x batch go in order, query tiles fastest (a head's K, V stay
 // in L2 while its tiles run): block b takes tile b first, then the next unclaimed one
 // (`next_tile`: zero at launch and at exit, it counts the claims), so that blocks whose tiles had
-// few key blocks take more tiles. Per tile the same steps as flash_fwd_tc_kernel, Algorithm 1 of
+// few key blocks take more tiles. A block mask whose rows differ in length gives the order
+// (params.query_tile_order: the longest rows' tiles first). Per tile the same steps as flash_fwd_tc_kernel, Algorithm 1 of
 // FlashAttention-2, split between the roles:
 //   producer (thread 0): claims the next tile, reads its key blocks (the mask row's list), asks
 //     for Q_i into a free Q buffer, then K_j and V_j into the ring's next free stage, each counted
@@ -266,8 +267,10 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
                 mbarrier_arrive(q_full);  // no more tiles: the consumers leave
                 return;
             }
-            const int m_block = tile % m_tiles, head_idx = tile / m_tiles % params.heads,
-                      batch_idx = tile / m_tiles / params.heads;
+            // Block-sparse, the tiles of the longest mask rows first (FwdParams::query_tile_order).
+            const int work = kIsBlockSparse && params.query_tile_order ? params.query_tile_order[tile] : tile;
+            const int m_block = work % m_tiles, head_idx = work / m_tiles % params.heads,
+                      batch_idx = work / m_tiles / params.heads;
             const int row0 = m_block * Kt::kBlockM, kv_head = head_idx / params.kv_group;
             const auto key_blocks = key_tiles<Kt::kBlockN, false, kIsBlockSparse>(
                 params, batch_idx, head_idx, row0, min(Kt::kBlockM, params.seqlen_q - row0));

@@ -51,6 +51,46 @@ def test_compressed_form_lists_each_rows_and_columns_nonzero_blocks(rng, shape):
     assert mask.nonzero == int(mask.kv_count.sum()) and mask.to_dense().sum() == mask.nonzero
 
 
+def test_query_tiles_of_the_longest_rows_start_first(rng):
+    """The warp-specialised forward's tile order (BlockMask.query_tile_order): tiles by class of
+    their key-block count (floor(log2(count / median) + 0.5)), the highest first, index order
+    within a class, empty rows last; None where no tile's class is above the median's."""
+    from cupyflash._block_mask import longest_rows_first
+
+    # A BigBird-like row of 30 blocks first, then the one at 1.5x the median (class 1), the rest
+    # in index order, the empty row last.
+    numpy.testing.assert_array_equal(longest_rows_first(numpy.array([2, 30, 2, 3, 0, 2])), [1, 3, 0, 2, 5, 4])
+    # No row in a class above the median's: index order (the sparse benchmark's random masks,
+    # 3 or 4 blocks a row; a band's shorter first and last rows), and so for all-empty launches.
+    assert longest_rows_first(numpy.array([3, 4, 3, 3, 4, 3])) is None
+    assert longest_rows_first(numpy.array([2, 3, 3, 3, 3, 2])) is None
+    assert longest_rows_first(numpy.zeros(5, numpy.int32)) is None
+    counts = rng.integers(0, 40, 500)
+    order = longest_rows_first(counts)
+    assert order.dtype == numpy.int32
+    numpy.testing.assert_array_equal(numpy.sort(order), numpy.arange(500))
+    median = numpy.median(counts[counts > 0])
+    with numpy.errstate(divide="ignore"):
+        classes = numpy.floor(numpy.log2(counts / median) + 0.5)
+    want = sorted(range(500), key=lambda t: (-classes[t], t))
+    numpy.testing.assert_array_equal(order, want)
+
+    # A launch's tiles: query tile fastest, then head, then batch; tiles of 64 rows halve a mask
+    # row of 128, and a mask with one head serves every head.
+    dense = numpy.zeros((2, 1, 3, 4), bool)
+    dense[0, 0, 0] = True  # batch 0's first row sees every key block
+    dense[:, 0, 1, :1] = True
+    dense[1, 0, 2, :2] = True
+    mask = BlockMask(dense)
+    counts = mask.tile_key_blocks(2, 3, 300, 64)  # 5 tiles of 64 rows (the last cut short)
+    numpy.testing.assert_array_equal(counts.reshape(2, 3, 5), [[[4, 4, 1, 1, 0]] * 3, [[0, 0, 1, 1, 2]] * 3])
+    order = longest_rows_first(counts)
+    # The median row has 1 block: batch 0's rows of 4 (class 2), batch 1's of 2 (class 1), those of
+    # 1, then the empty ones.
+    assert list(order[:6]) == [0, 1, 5, 6, 10, 11]
+    assert list(order[6:9]) == [19, 24, 29]
+
+
 def test_repr_and_block_size():
     mask = BlockMask.from_dense(numpy.array([[[True, False], [True, True]]]), block_size=(64, 256))
     assert mask.block_size == (64, 256)

@@ -336,6 +336,35 @@ def test_warp_specialised_forward(rng, monkeypatch, nan_outputs, hopper, dtype, 
     assert_build_gives_the_same_bits(twin, q, k, v, out, lse, mask)
 
 
+@pytest.mark.parametrize("sm_count", [None, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_warp_specialised_forward_claims_the_longest_rows_first(rng, monkeypatch, hopper, dtype, head_dim, sm_count):
+    """On a mask whose rows differ in length (a global row that sees every key block, a row with
+    none, random rows per head), the block-sparse warp-specialised forward claims its query tiles
+    in the mask's query_tile_order, not in index order; each tile's result must land where it
+    belongs (outputs NaN before). sm_count 3: three blocks claim the reordered tiles in turn.
+    Batch 2, seqlen_q 1000 (the last tile cut short); the launch leaves its claim counter zeroed."""
+    import cupy
+
+    from cupyflash import _validation
+
+    monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count or 132)
+    q, k, v = _tma_inputs(rng, dtype, (2, 1000, 900, 3, 3, head_dim))
+    dense = rng.random((3, 8, 8)) < 0.3
+    dense[:, 3] = True  # a global row in every head
+    dense[1, 5] = False  # a row with no key block
+    mask = BlockMask(dense)
+    p = _validation.check_block_mask(mask, _validation.check_attention_args(q, k, v, causal=False, scale=None,
+                                                                            return_lse=True))
+    kernel = inst.WgmmaFwdWsKernel(dtype, head_dim, False, block_sparse=True)
+    assert mask.query_tile_order(2, 3, 1000, kernel.tile.block_m, q.device.id) is not None
+    out, lse = cupy.full(q.shape, numpy.nan, q.dtype), cupy.full((2, 3, 1000), numpy.nan, numpy.float32)
+    _attention.launch_forward(q, k, v, out, lse, p, kernel)
+    assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
+    assert not any(c.any() for c in _attention._ZEROED.values())
+
+
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_warp_specialised_forward_captured_in_a_graph(rng, monkeypatch, hopper, dtype):
     """A captured call keeps a claim counter of its own: replayed on another stream while calls on
