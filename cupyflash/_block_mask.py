@@ -240,13 +240,14 @@ class BlockMask:
 
     def device_arrays(self, device_id: int) -> tuple:
         """kv_count, kv_index, q_count, q_index, key_order as CuPy int32 arrays on the device
-        (copied once)."""
+        (copied once; where two threads copy at once, both take the copy kept, whose addresses
+        the problems' launch records hold)."""
         if device_id not in self._on_device:
             import cupy
 
             with cupy.cuda.Device(device_id):
                 arrays = (self.kv_count, self.kv_index, self.q_count, self.q_index, self.key_order)
-                self._on_device[device_id] = tuple(cupy.asarray(x) for x in arrays)
+                self._on_device.setdefault(device_id, tuple(cupy.asarray(x) for x in arrays))
         return self._on_device[device_id]
 
     def query_tile_order(self, batch: int, heads: int, seqlen_q: int, tile_rows: int, device_id: int):
@@ -273,9 +274,9 @@ class BlockMask:
             with cupy.cuda.Device(device_id):
                 order = cupy.asarray(order)
         # Kept as long as the mask (one small array per launch shape): a call captured in a CUDA
-        # graph goes on reading it.
-        self._tile_orders[key] = order
-        return order
+        # graph goes on reading it. Where two threads made it at once, both take the one kept, so
+        # that neither launch reads an array already given back to the pool.
+        return self._tile_orders.setdefault(key, order)
 
     def tile_key_blocks(self, batch: int, heads: int, seqlen_q: int, tile_rows: int) -> numpy.ndarray:
         """The key blocks of each query tile of `tile_rows` rows (a divisor of block_q) of a
