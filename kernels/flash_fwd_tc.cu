@@ -205,8 +205,8 @@ static_assert(sizeof(FwdWsTensorMaps) == 512, "cupyflash/_tma.py passes 4 x 128 
 // in L2 while its tiles run): block b takes tile b first, then the next unclaimed one
 // (`next_tile`: zero at launch and at exit, it counts the claims), so that blocks whose tiles had
 // few key blocks take more tiles. A block mask whose rows differ in length gives the order
-// (params.query_tile_order: the longest rows' tiles first). Per tile the same steps as flash_fwd_tc_kernel, Algorithm 1 of
-// FlashAttention-2, split between the roles:
+// (params.query_tile_order: the longest rows' tiles first). Per tile the same steps as
+// flash_fwd_tc_kernel, Algorithm 1 of FlashAttention-2, split between the roles:
 //   producer (thread 0): claims the next tile, reads its key blocks (the mask row's list), asks
 //     for Q_i into a free Q buffer, then K_j and V_j into the ring's next free stage, each counted
 //     on its `full` mbarrier;
