@@ -33,7 +33,6 @@ def makespan(costs, sms: int) -> float:
 
 
 def main(argv=None) -> int:
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--us-per-step", type=float, action="append", help="d64's then d128's (default 3.0, 2.9)")
     ap.add_argument("--us-per-block", type=float, default=5.0)

@@ -58,7 +58,7 @@ def main(argv=None):
                     us = replay_us(record_launches(call))
                     times.setdefault((name, direction), []).append(us)
                     print(f"d{d} batch {batch:>2} {name:>12} {direction}: {us:9.1f} us", flush=True)
-            del q, k, v, dout
+            del q, k, v, dout, fwd, bwd  # the calls hold the arrays and the forward's out, lse
             cupy.get_default_memory_pool().free_all_blocks()
 
         x = numpy.array(batches, float)
