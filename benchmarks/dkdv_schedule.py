@@ -9,9 +9,11 @@ tile is 64 rows). The defaults fit the H100 grids of sessions 27-29 (d64 3.0 and
 step at one block per SM; 5 us a block). For the sparse grid's masks (bench_sparse.make_mask) it
 prints the modelled kernel time with the key blocks in index order, in each head's order by
 descending column count (BlockMask.key_order), in the forward's class order over the whole launch
-(`_block_mask.longest_rows_first` on the column counts; "-" where it keeps index order), with the
-whole launch sorted by count, and the bound of total work / SMs. --masks irregular: BigBird,
-block-causal and the grid's 0.1 masks instead (tile_order_ab.masks).
+(`_block_mask.longest_rows_first` on the column counts; "-" where it keeps index order), in the
+kernel's own order (BlockMask.dkdv_item_order's `outliers_first`: only columns of class 3 and above
+moved to the front; "-" where there are none), with the whole launch sorted by count, and the
+bound of total work / SMs. --masks irregular: BigBird, block-causal and the grid's 0.1 masks
+instead (tile_order_ab.masks).
 """
 
 import argparse
@@ -21,7 +23,7 @@ import sys
 import numpy
 
 from bench_sparse import make_mask
-from cupyflash._block_mask import longest_rows_first
+from cupyflash._block_mask import longest_rows_first, outliers_first
 
 
 def makespan(costs, sms: int) -> float:
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     per_step = dict(zip((64, 128), args.us_per_step or [3.0, 2.9]))
     print(f"{'seqlen':>6} {'d':>3} {'mask':>13} {'density':>7} | {'index order':>11} {'key_order':>9} "
-          f"{'classes':>8} {'launch sorted':>13} {'work/SMs':>8} | us (model)")
+          f"{'classes':>8} {'outliers':>8} {'launch sorted':>13} {'work/SMs':>8} | us (model)")
     for seqlen in (4096, 16384):
         for d in (64, 128):
             batch, heads = max(1, 16384 // seqlen), 2048 // d
@@ -54,8 +56,12 @@ def main(argv=None) -> int:
                 by_key_order = numpy.concatenate([ordered] * batch).ravel()
                 classes = longest_rows_first(numpy.concatenate([column] * batch).ravel())
                 by_class = "-" if classes is None else f"{makespan(launch[classes], args.sms):.1f}"
+                # (on the steps of the items in key_order, as dkdv_item_order numbers them)
+                steps = numpy.take_along_axis(column, numpy.broadcast_to(mask.key_order[0], column.shape), axis=1)
+                outliers = outliers_first(numpy.concatenate([steps] * batch).ravel())
+                by_outliers = "-" if outliers is None else f"{makespan(by_key_order[outliers], args.sms):.1f}"
                 print(f"{seqlen:>6} {d:>3} {name:>13} {mask.density:7.3f} | {makespan(launch, args.sms):11.1f} "
-                      f"{makespan(by_key_order, args.sms):9.1f} {by_class:>8} "
+                      f"{makespan(by_key_order, args.sms):9.1f} {by_class:>8} {by_outliers:>8} "
                       f"{makespan(numpy.sort(launch)[::-1], args.sms):13.1f} {launch.sum() / args.sms:8.1f}")
     return 0
 

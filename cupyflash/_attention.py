@@ -691,6 +691,20 @@ def launch_forward(
     _launch(kernel, device_id, kernel.grid(p.batch, p.heads, p.seqlen_q), record.params(pointers), *more)
 
 
+def _dkdv_item_order(p: _validation.AttentionProblem, kernel, ring: int, device_id: int) -> int:
+    """The warp-specialised dK/dV kernel's item_order: the address of the order of its claims on
+    the problem's block mask (BlockMask.dkdv_item_order), or 0 (the launch's own order). Never
+    with a dQ ring: a ring slot's next slab waits for the slab before it to complete, and an
+    order that started later slabs' items early could leave every block waiting."""
+    if p.block_mask is None or ring:
+        return 0
+    block_q, block_k = p.block_mask.block_size
+    t = kernel.tile
+    order = p.block_mask.dkdv_item_order(p.batch, p.heads, p.kv_group, block_k // t.block_n, block_q // t.block_m,
+                                         device_id)
+    return 0 if order is None else order.data.ptr
+
+
 def _query_tile_order(p: _validation.AttentionProblem, kernel, device_id: int) -> int:
     """FwdParams.query_tile_order for `kernel`: the address of its tiles' order on the problem's
     block mask (BlockMask.query_tile_order), or 0 (the launch's own order). The block-sparse
@@ -1188,7 +1202,8 @@ def launch_backward(
         counters = zeroed_counters(device_id, dkdv_kernel.counters(kv_heads, p.batch))
         _launch(dkdv_kernel, device_id, ws_grid, params, maps, kv_maps, numpy.array(ws_positions, numpy.int32),
                 numpy.array(ws_positions * kv_heads * p.batch, numpy.int32),
-                numpy.array(counters.data.ptr, numpy.uint64), numpy.array(ring, numpy.int32))
+                numpy.array(counters.data.ptr, numpy.uint64), numpy.array(ring, numpy.int32),
+                numpy.array(_dkdv_item_order(p, dkdv_kernel, ring, device_id), numpy.uint64))
     if not ring:
         launch(dq_kernel if p.deterministic else _instantiations.bwd_row_kernel("convert_dq", p.dtype_name, p.seqlen_q),
                params)

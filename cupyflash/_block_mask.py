@@ -65,7 +65,7 @@ class BlockMask:
             array.setflags(write=False)
         self._nonzero = int(self.kv_count.sum())
         self._on_device = {}
-        self._tile_orders = {}  # query_tile_order's, per launch shape and device
+        self._tile_orders = {}  # query_tile_order's and dkdv_item_order's, per launch shape and device
         # Calls' checked problems with this mask (`_attention._checked_problem`), kept here rather
         # than in a global cache so that they go when the mask goes. They hold no reference to it.
         self._checked_problems = {}
@@ -278,6 +278,45 @@ class BlockMask:
         # that neither launch reads an array already given back to the pool.
         return self._tile_orders.setdefault(key, order)
 
+    def dkdv_item_order(self, batch: int, heads: int, kv_group: int, tiles_per_key_block: int,
+                        steps_per_query_block: int, device_id: int):
+        """The order in which the block-sparse warp-specialised dK/dV kernel claims its items
+        (int32 item indices on the device), or None for the launch's own order. Items as the
+        kernel numbers them: each key block's `tiles_per_key_block` key tiles in the mask's
+        key_order, fastest; then K/V heads; then batch (item_steps counts their steps).
+
+        The launch takes its items a (K/V head, batch) slab after another, each slab's longest
+        first, so a column far longer than the rest still starts only when its slab comes: on a
+        BigBird mask at 16384 tokens each head's global column walks all 128 query blocks, against
+        about 10 for the others, and the last heads' run on alone at the launch's end (modelled
+        at 1.6x the launch's work / SMs, d128; benchmarks/dkdv_schedule.py). So the items of
+        class 3 and above (outliers_first) go first, and everything else keeps launch order,
+        where a few slabs at a time are in flight and their Q_i, dO_i and dQ rows stay in L2 (a
+        whole-launch sort lost more in L2 than it gained in the tail at 16384 tokens;
+        benchmarks/NOTES.md, session 37). The sparse benchmark's masks have no such column."""
+        key = ("dkdv", batch, heads, kv_group, tiles_per_key_block, steps_per_query_block, device_id)
+        if key in self._tile_orders:
+            return self._tile_orders[key]
+        order = outliers_first(self.item_steps(batch, heads, kv_group, tiles_per_key_block, steps_per_query_block))
+        if order is not None:
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                order = cupy.asarray(order)
+        return self._tile_orders.setdefault(key, order)  # kept as long as the mask: query_tile_order
+
+    def item_steps(self, batch: int, heads: int, kv_group: int, tiles_per_key_block: int,
+                   steps_per_query_block: int) -> numpy.ndarray:
+        """The steps of each item of a block-sparse dK/dV launch (dkdv_item_order's numbering): its
+        key block's query blocks over the heads of its K/V group, `steps_per_query_block` each.
+        Its key block is the one the kernel's key_tile gives: the group's first head's key_order."""
+        n_k = self.blocks[1]
+        count = numpy.broadcast_to(self.q_count, (batch, heads, n_k))
+        steps = count.reshape(batch, heads // kv_group, kv_group, n_k).sum(axis=2, dtype=numpy.int64)
+        order = numpy.broadcast_to(self.key_order, (batch, heads, n_k))[:, ::kv_group]
+        steps = numpy.take_along_axis(steps, order, axis=-1) * steps_per_query_block
+        return numpy.repeat(steps, tiles_per_key_block, axis=-1).reshape(-1)
+
     def tile_key_blocks(self, batch: int, heads: int, seqlen_q: int, tile_rows: int) -> numpy.ndarray:
         """The key blocks of each query tile of `tile_rows` rows (a divisor of block_q) of a
         launch, in its numbering: query tile fastest, then head, then batch."""
@@ -285,20 +324,38 @@ class BlockMask:
         return numpy.broadcast_to(self.kv_count, (batch, heads, self.kv_count.shape[-1]))[..., rows].reshape(-1)
 
 
-def longest_rows_first(counts: numpy.ndarray):
-    """The order of BlockMask.query_tile_order for tiles of these key-block counts, as int32: by
-    class, floor(log2(count / median count) + 0.5), the highest first and index order within a
-    class, tiles with no block last. None (index order) where no tile is in a class above the
-    median's: no tile is long enough to leave a tail, and the local masks' shorter first and
-    last rows stay among their heads' tiles."""
+def length_classes(counts: numpy.ndarray):
+    """Each entry's class, floor(log2(count / median count) + 0.5): its length against the median
+    nonzero one's in powers of two, rounded to the nearest; -inf for a count of 0. None where
+    every count is 0."""
     if not counts.any():
         return None
     median = numpy.median(counts[counts > 0])
     with numpy.errstate(divide="ignore"):
-        classes = numpy.floor(numpy.log2(counts / median) + 0.5)  # -inf for a tile with no block
-    if classes.max() < 1:
+        return numpy.floor(numpy.log2(counts / median) + 0.5)
+
+
+def longest_rows_first(counts: numpy.ndarray):
+    """The order of BlockMask.query_tile_order for tiles of these key-block counts, as int32: by
+    class (length_classes), the highest first and index order within a class, tiles with no
+    block last. None (index order) where no tile is in a class above the median's: no tile is
+    long enough to leave a tail, and the local masks' shorter first and last rows stay among
+    their heads' tiles."""
+    classes = length_classes(counts)
+    if classes is None or classes.max() < 1:
         return None
     return numpy.argsort(-classes, kind="stable").astype(numpy.int32)
+
+
+def outliers_first(counts: numpy.ndarray, min_class: int = 3):
+    """The order of BlockMask.dkdv_item_order for items of these step counts, as int32: the items
+    of class `min_class` and above (length_classes; 3: about 6x the median or more) first, the
+    highest class first, and every other item after them in index order. None where there is
+    none. The random masks' columns, at up to 3x their mean, are class 2 at most."""
+    classes = length_classes(counts)
+    if classes is None or classes.max() < min_class:
+        return None
+    return numpy.argsort(-numpy.where(classes >= min_class, classes, 0), kind="stable").astype(numpy.int32)
 
 
 def _last_diagonal_key(i, block_q: int, seqlen_q: int, seqlen_k: int):

@@ -851,8 +851,10 @@ __device__ __forceinline__ void round_dq_boxes(const BwdParams& params, const Dk
 // one-block kernel's warps, with its steps) and a producer warpgroup after them, of which one warp
 // works. Grid: (at most one block per SM). Work items are flash_bwd_dkdv_tc_kernel's blocks in its
 // launch order: `positions` key tiles (block-sparse: in key_block_order) fastest, then K/V heads,
-// then batch; `items` in all. Block b takes item b first, then the next unclaimed one
-// (DkdvCounters' next_item: it counts the claims). With ring > 0 the dQ adds go to a ring of
+// then batch; `items` in all. Block b makes claim b first, then the next unclaimed one
+// (DkdvCounters' next_item: it counts the claims); claim c is item c, or block-sparse
+// item_order[c] where the host gives an order (BlockMask.dkdv_item_order: columns far longer than
+// the median's first; only with ring = 0, whose slabs need not complete in turn). With ring > 0 the dQ adds go to a ring of
 // `ring` slabs (params.dq_accum, zero at launch and left zero at exit; wait_for_slot), rounded
 // into dq here (load_dq_boxes), slab by slab as each slab's items complete: no preprocess clear,
 // no conversion launch. With ring = 0 they go to the whole workspace (dq_accum_offset's layout),
@@ -875,7 +877,7 @@ template <typename Bt, bool kIsLocal, bool kIsBlockSparse>
 __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
     flash_bwd_dkdv_ws_kernel(const BwdParams params, const __grid_constant__ BwdTensorMaps maps,
                              const __grid_constant__ KvTensorMaps kv_maps, const int positions, const int items,
-                             int* const counter_buffer, const int ring) {
+                             int* const counter_buffer, const int ring, const int* const item_order) {
     static_assert(Bt::kWgmma && Bt::kOutSplit == 1 && Bt::kNThreads == 256, "the Hopper TMA builds' two warpgroups");
     static_assert(Bt::kBlockM % 32 == 0, "the producer's lanes load the row statistics");
     using Storage = typename Bt::Storage;
@@ -941,8 +943,9 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
         // before the current one (phase ^ 1), which a fresh mbarrier reports as done.
         unsigned kv_phase = 0, q_phase = 0;
         int q_buffer = 0, slot = 0;
-        for (int item = blockIdx.x;;) {
-            const bool last = item >= items;  // (no more items: the consumers are told to leave)
+        for (int claim = blockIdx.x;;) {
+            const bool last = claim >= items;  // (no more items: the consumers are told to leave)
+            const int item = !last && kIsBlockSparse && item_order ? item_order[claim] : claim;
             const int position = last ? 0 : item % positions, kv_head = last ? 0 : item / positions % kv_heads;
             const int batch_idx = last ? 0 : item / positions / kv_heads;
             const int first_head = kv_head * params.kv_group;
@@ -1041,11 +1044,11 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
             // The next item: every item makes one claim, and the launch's last sets the counter back
             // to zero, so that a launch replayed (a CUDA graph, a benchmark) starts as a fresh one does.
             int claims = 0;
-            if (lane == 0 && item < items) {
+            if (lane == 0 && !last) {
                 claims = atomicAdd(counters.next_item(), 1);
                 if (claims == items - 1) *counters.next_item() = 0;
             }
-            item = item < items ? gridDim.x + __shfl_sync(0xffffffffu, claims, 0) : item;
+            claim = last ? claim : gridDim.x + __shfl_sync(0xffffffffu, claims, 0);
         }
     }
 

@@ -91,6 +91,53 @@ def test_query_tiles_of_the_longest_rows_start_first(rng):
     assert list(order[6:9]) == [19, 24, 29]
 
 
+@pytest.mark.parametrize(
+    "mask_shape, batch, heads, kv_group, tiles, steps",
+    [
+        ((4, 6, 7), 3, 4, 1, 1, 2),  # a mask per head, 2 steps a query block (d128's 64-row tiles)
+        ((1, 6, 7), 2, 4, 2, 2, 1),  # one mask for every head, GQA groups of 2, 2 tiles a key block
+        ((2, 3, 5, 9), 2, 3, 3, 1, 1),  # a mask per batch entry and head, one group of 3
+    ],
+)
+def test_dkdv_items_of_columns_far_longer_than_the_rest_start_first(rng, mask_shape, batch, heads, kv_group, tiles,
+                                                                   steps):
+    """The warp-specialised dK/dV kernel's claim order (BlockMask.dkdv_item_order): item_steps
+    against brute force (an item is a key tile of one K/V head and batch entry, numbered as the
+    kernel's launch: each key block's tiles in the group's first head's key_order, fastest, then
+    K/V heads, then batch; its steps are its key block's query blocks over every head of its
+    group), and outliers_first: the items of class 3 and above first, by class, then the rest in
+    launch order; None where there is no such item."""
+    from cupyflash._block_mask import outliers_first
+
+    dense = random_mask(rng, mask_shape, 0.3)
+    mask = BlockMask(dense)
+    full = numpy.broadcast_to(dense if dense.ndim == 4 else dense[None], (batch, heads) + dense.shape[-2:])
+    key_order = numpy.broadcast_to(mask.key_order, (batch, heads, full.shape[3]))
+    want = []
+    for b in range(batch):
+        for kv in range(heads // kv_group):
+            for position in range(full.shape[3] * tiles):
+                key_block = key_order[b, kv * kv_group, position // tiles]
+                group = range(kv * kv_group, (kv + 1) * kv_group)
+                want.append(steps * sum(int(full[b, h, :, key_block].sum()) for h in group))
+    numpy.testing.assert_array_equal(mask.item_steps(batch, heads, kv_group, tiles, steps), want)
+
+    # Class 3 is 2**2.5 (5.66) x the median or more: 6 x the median of 4 is; 5 x is not (class 2),
+    # nor is the sparse benchmark's random masks' longest column, 3 x the median.
+    numpy.testing.assert_array_equal(outliers_first(numpy.array([4, 4, 24, 5, 0, 96, 3, 4])), [5, 2, 0, 1, 3, 4, 6, 7])
+    assert outliers_first(numpy.array([4, 4, 20, 5, 0, 12, 3, 4])) is None
+    assert outliers_first(numpy.zeros(4, numpy.int32)) is None
+    counts = rng.integers(0, 12, 300)
+    counts[rng.choice(300, 5, replace=False)] = rng.integers(60, 200, 5)
+    order = outliers_first(counts)
+    assert order.dtype == numpy.int32
+    median = numpy.median(counts[counts > 0])
+    classes = numpy.floor(numpy.log2(numpy.maximum(counts, 1) / median) + 0.5)
+    outliers = [i for i in range(300) if counts[i] and classes[i] >= 3]
+    assert 5 <= len(outliers) and list(order) == sorted(outliers, key=lambda i: (-classes[i], i)) + [
+        i for i in range(300) if i not in outliers]
+
+
 def test_repr_and_block_size():
     mask = BlockMask.from_dense(numpy.array([[[True, False], [True, True]]]), block_size=(64, 256))
     assert mask.block_size == (64, 256)

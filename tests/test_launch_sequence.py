@@ -4,6 +4,7 @@ against a stand-in Hopper device whose launches and allocations are recorded, no
 tests run the same paths for real; these catch wiring mistakes in CI, where no GPU reaches the
 launches (one such, a kernel launched with another build's arguments, failed 236 GPU tests)."""
 
+import contextlib
 import math
 import types
 
@@ -39,11 +40,16 @@ class StandIn:
 @pytest.fixture
 def device(monkeypatch):
     """A stand-in sm_90 device with 132 SMs and an H100's shared memory: `launches` records
-    (kernel, grid, extra arguments, params) per launch, `zeroed` the buffers cupy.zeros made, and
-    `capturing` says whether the current stream is being captured."""
+    (kernel, grid, extra arguments, params) per launch, `zeroed` the buffers cupy.zeros made,
+    `copied` (host array, its stand-in) what cupy.asarray copied, and `capturing` says whether the
+    current stream is being captured."""
     import cupy
 
-    state = types.SimpleNamespace(launches=[], zeroed=[], capturing=False)
+    state = types.SimpleNamespace(launches=[], zeroed=[], copied=[], capturing=False)
+
+    def asarray(x):
+        state.copied.append((numpy.asarray(x), StandIn(numpy.shape(x), numpy.asarray(x).dtype)))
+        return state.copied[-1][1]
 
     def zeros(shape, dtype=float):
         state.zeroed.append(StandIn(shape, dtype))
@@ -51,6 +57,8 @@ def device(monkeypatch):
 
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=float, order="C": StandIn(shape, dtype))
     monkeypatch.setattr(cupy, "zeros", zeros)
+    monkeypatch.setattr(cupy, "asarray", asarray)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device_id: contextlib.nullcontext())
     stream = types.SimpleNamespace(ptr=7, is_capturing=lambda: state.capturing)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: stream)
     monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: inst.WGMMA_COMPUTE_CAPABILITY)
@@ -70,16 +78,18 @@ def device(monkeypatch):
     return state
 
 
-def backward(rng, head_dim, density=None, seqlen=4096, deterministic=False, heads=2):
+def backward(rng, head_dim, density=None, seqlen=4096, deterministic=False, heads=2, mask=None):
     """Queues one bfloat16 backward (batch 1, `heads` heads) with a random block mask of `density`
-    (None: unmasked); returns the launches' step names."""
+    (None: unmasked), or with `mask`."""
     shape = (1, seqlen, heads, head_dim)
     q, k, v, out, dout = (numpy.empty(shape, BFLOAT16) for _ in range(5))
     lse = numpy.empty((1, heads, seqlen), numpy.float32)
     p = _validation.check_backward_args(dout, q, k, v, out, lse, causal=False, scale=None, deterministic=deterministic)
     if density is not None:
         n = -(-seqlen // 128)
-        p = _validation.check_block_mask(BlockMask(rng.random((heads, n, n)) < density), p)
+        mask = BlockMask(rng.random((heads, n, n)) < density)
+    if mask is not None:
+        p = _validation.check_block_mask(mask, p)
     arrays = [StandIn(x.shape, x.dtype) for x in (dout, q, k, v, out, lse, q, k, v)]
     _attention.launch_backward(*arrays, p)
 
@@ -101,14 +111,16 @@ def dkdv_launch(state):
 
 @pytest.mark.parametrize("density,ring", [(0.25, True), (0.05, False)])
 def test_warp_specialised_launch_takes_its_arguments(rng, device, density, ring):
-    """A d64 block-sparse backward: preprocess, then the warp-specialised dK/dV kernel with its six
-    further arguments (Q/dO/dQ maps, K/V maps, positions, items, counters, ring slots); with the
+    """A d64 block-sparse backward: preprocess, then the warp-specialised dK/dV kernel with its seven
+    further arguments (Q/dO/dQ maps, K/V maps, positions, items, counters, ring slots, item order:
+    none for a random mask); with the
     ring (8 query blocks a key block) no conversion follows and the preprocess clears nothing,
     without it (1.6) the conversion rounds the whole workspace."""
     backward(rng, 64, density)
     kernel, grid, more, params = dkdv_launch(device)
-    assert kernel.ws and len(more) == 6
-    positions, items, counters, slots = (int(x) for x in more[2:])
+    assert kernel.ws and len(more) == 7
+    positions, items, counters, slots, order = (int(x) for x in more[2:])
+    assert order == 0
     assert (positions, items, grid) == (32, 64, (64, 1, 1))
     assert counters == _attention._ZEROED[("counters", 0, 7)].data.ptr
     preprocess = device.launches[0][3]
@@ -139,11 +151,33 @@ def test_other_builds_take_the_workspace(rng, device, head_dim, density, determi
     of its own build (the one-block builds: one map set), and dQ from the workspace or the dQ kernel."""
     backward(rng, head_dim, density, deterministic=deterministic)
     kernel, _, more, _ = dkdv_launch(device)
-    assert len(more) == (6 if kernel.ws else 1)
+    assert len(more) == (7 if kernel.ws else 1)
     assert kernel.ws == (head_dim == 128) and kernel.tma == (not deterministic)
     assert steps(device) == ["preprocess", "dK/dV", "dQ" if deterministic else "convert_dq"]
     if kernel.ws:
-        assert int(more[-1]) == 0
+        assert int(more[-2]) == int(more[-1]) == 0  # no ring, no item order
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_a_column_far_longer_than_the_rest_is_claimed_first(rng, device, head_dim):
+    """A BigBird mask at 16384 tokens: each head's global column sees all 128 query blocks, the
+    median one 10, so the d128 dK/dV kernel (no dQ ring) takes the mask's item order, which
+    starts with the global columns' key tiles; d64 takes the ring there (10.7 query blocks a key
+    block on average) and no order, since its slabs must complete in turn."""
+    mask = BlockMask.bigbird(16384, 16384, window=3, n_global=1, n_random=2, seed=0)
+    backward(rng, head_dim, seqlen=16384, mask=mask)
+    kernel, grid, more, params = dkdv_launch(device)
+    slots, order = int(more[-2]), int(more[-1])
+    if head_dim == 64:
+        assert slots > 0 and order == 0 and not device.copied
+        return
+    assert slots == 0 and field(params, "dq_accum") != 0
+    ((host, copy),) = device.copied  # made once and kept on the mask
+    assert order == copy.data.ptr == mask.dkdv_item_order(1, 2, 1, 1, 2, 0).data.ptr
+    positions = int(more[2])
+    global_columns = [h * positions + list(mask.key_order[0, 0]).index(0) for h in range(2)]
+    numpy.testing.assert_array_equal(host[:2], global_columns)
+    numpy.testing.assert_array_equal(numpy.sort(host), numpy.arange(2 * positions))
 
 
 def test_a_captured_backward_keeps_its_buffers(rng, device):

@@ -562,8 +562,8 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
     assert steps == ["preprocess", "dK/dV"] + ([] if rounds_dq else ["convert_dq"])
     slabs = shape[0] * shape[4]
     dkdv = launched[steps.index("dK/dV")]
-    assert int(dkdv[-1]) == (min(ring or slabs, slabs) if rounds_dq else 0)  # the ring's slots
-    counters = dkdv[-2]
+    assert int(dkdv[-2]) == (min(ring or slabs, slabs) if rounds_dq else 0)  # the ring's slots
+    counters = dkdv[-3]  # (then the item order)
     words = ws.counters(shape[4], shape[0])
     left = cupy.ndarray((words,), cupy.int32, cupy.cuda.MemoryPointer(
         cupy.cuda.UnownedMemory(int(counters), 4 * words, None), 0))
@@ -580,6 +580,64 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
     assert hopper[-1] == dataclasses.replace(ws, ws=False)
     assert steps == ["preprocess", "dK/dV", "convert_dq"]
     assert_gradients_match_reference(dout, q, k, v, one_block, dtype, causal, block_mask=mask, window=window)
+    for got, want in zip(grads[1:], one_block[1:]):
+        assert (bits(got.get()) == bits(want.get())).all()
+
+
+@pytest.mark.parametrize("sm_count", [None, 3])
+@pytest.mark.parametrize("head_dim, kv_heads", [(64, 3), (128, 1)])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, monkeypatch, nan_outputs, hopper, dtype, head_dim,
+                                                                 kv_heads, sm_count):
+    """On a mask with a column far longer than the rest (each key block seen by one query block,
+    a global key block by all 8: class 3), the warp-specialised dK/dV kernel claims its items in
+    the mask's dkdv_item_order, the global columns' first; each item's dK_j, dV_j must land where
+    they belong (outputs NaN before), bit for bit as the one-block build's, dQ within the
+    reference's tolerance; the counters are left zero. No dQ ring (d64 would take one; the order
+    is only given without). GQA (3 heads on 1 K/V head) sums an item's steps over its group;
+    sm_count 3: three blocks claim the reordered items in turn. seqlen_k 900: the last key block
+    cut short."""
+    import cupy
+    from shapes import bits
+
+    if not hopper.backward:
+        pytest.skip("the Hopper dK/dV kernel is switched off in this run")
+    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", True)
+    monkeypatch.setattr(inst, "WS_DQ_RING_MIN_STEPS", float("inf"))
+    monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count or 132)
+    q, k, v = _tma_inputs(rng, dtype, (2, 1000, 900, 3, kv_heads, head_dim))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    dense = numpy.zeros((3, 8, 8), bool)
+    for h in range(3):
+        dense[h, rng.permutation(8), numpy.arange(8)] = True
+    dense[:, :, 5] = True  # a global key block in every head
+    mask = BlockMask(dense)
+    out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
+    launched = []
+    recording = _attention._launch
+    monkeypatch.setattr(_attention, "_launch",
+                        lambda kernel, *args: (launched.append((kernel, args)), recording(kernel, *args))[1])
+    grads = cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
+    ws = hopper[-1]
+    assert ws.ws and ws.block_sparse
+    (dkdv,) = [args for kernel, args in launched if kernel == ws]
+    t = ws.tile
+    order = mask.dkdv_item_order(2, 3, 3 // kv_heads, 128 // t.block_n, 128 // t.block_m, q.device.id)
+    assert order is not None and int(dkdv[-1]) == order.data.ptr and int(dkdv[-2]) == 0  # an order, no ring
+    # The global key block is first in every head's key_order, so each slab's first tiles (its
+    # tiles) come first, slab after slab, then the rest in launch order.
+    tiles, positions, slabs = 128 // t.block_n, 8 * 128 // t.block_n, 2 * kv_heads
+    assert (mask.key_order[0, :, 0] == 5).all()
+    first = [slab * positions + p for slab in range(slabs) for p in range(tiles)]
+    numpy.testing.assert_array_equal(order.get(), first + [i for i in range(slabs * positions) if i not in first])
+    words = ws.counters(kv_heads, 2)
+    left = cupy.ndarray((words,), cupy.int32, cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(int(dkdv[-3]), 4 * words, None), 0))
+    assert not left.any(), "the counters are left zero for the next launch"
+    assert_gradients_match_reference(dout, q, k, v, grads, dtype, False, block_mask=mask)
+    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", False)
+    one_block = cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
+    assert hopper[-1] == dataclasses.replace(ws, ws=False)
     for got, want in zip(grads[1:], one_block[1:]):
         assert (bits(got.get()) == bits(want.get())).all()
 
