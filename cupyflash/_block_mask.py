@@ -288,11 +288,11 @@ class BlockMask:
         The launch takes its items a (K/V head, batch) slab after another, each slab's longest
         first, so a column far longer than the rest still starts only when its slab comes: on a
         BigBird mask at 16384 tokens each head's global column walks all 128 query blocks, against
-        about 10 for the others, and the last heads' run on alone at the launch's end (modelled
-        at 1.6x the launch's work / SMs, d128; benchmarks/dkdv_schedule.py). So the items of
-        class 3 and above (outliers_first) go first, and everything else keeps launch order,
-        where a few slabs at a time are in flight and their Q_i, dO_i and dQ rows stay in L2 (a
-        whole-launch sort lost more in L2 than it gained in the tail at 16384 tokens;
+        about 10 for the others, and the last heads' global columns run on alone at the launch's
+        end (modelled at 1.6x the launch's work / SMs, d128; benchmarks/dkdv_schedule.py). So the
+        items of class 3 and above (outliers_first) go first, and everything else keeps launch
+        order, where a few slabs at a time are in flight and their Q_i, dO_i and dQ rows stay in
+        L2 (a whole-launch sort lost more in L2 than it gained in the tail at 16384 tokens;
         benchmarks/NOTES.md, session 37). The sparse benchmark's masks have no such column."""
         key = ("dkdv", batch, heads, kv_group, tiles_per_key_block, steps_per_query_block, device_id)
         if key in self._tile_orders:

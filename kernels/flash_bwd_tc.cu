@@ -854,11 +854,12 @@ __device__ __forceinline__ void round_dq_boxes(const BwdParams& params, const Dk
 // then batch; `items` in all. Block b makes claim b first, then the next unclaimed one
 // (DkdvCounters' next_item: it counts the claims); claim c is item c, or block-sparse
 // item_order[c] where the host gives an order (BlockMask.dkdv_item_order: columns far longer than
-// the median's first; only with ring = 0, whose slabs need not complete in turn). With ring > 0 the dQ adds go to a ring of
-// `ring` slabs (params.dq_accum, zero at launch and left zero at exit; wait_for_slot), rounded
-// into dq here (load_dq_boxes), slab by slab as each slab's items complete: no preprocess clear,
-// no conversion launch. With ring = 0 they go to the whole workspace (dq_accum_offset's layout),
-// cleared before and rounded after, as the one-block kernel's do.
+// the median's first; only with ring = 0, whose slabs need not complete in turn). With ring > 0
+// the dQ adds go to a ring of `ring` slabs (params.dq_accum, zero at launch and left zero at
+// exit; wait_for_slot), rounded into dq here (load_dq_boxes), slab by slab as each slab's items
+// complete: no preprocess clear, no conversion launch. With ring = 0 they go to the whole
+// workspace (dq_accum_offset's layout), cleared before and rounded after, as the one-block
+// kernel's do.
 //   producer: claims and decodes items, walks each item's query blocks (every head of its K/V
 //     head's group, each from its launch position's query block, as the one-block kernel), asks
 //     the TMA for K_j, V_j into their one buffer once the consumers are done with the last item's
