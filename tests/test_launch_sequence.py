@@ -111,11 +111,11 @@ def dkdv_launch(state):
 
 @pytest.mark.parametrize("density,ring", [(0.25, True), (0.05, False)])
 def test_warp_specialised_launch_takes_its_arguments(rng, device, density, ring):
-    """A d64 block-sparse backward: preprocess, then the warp-specialised dK/dV kernel with its seven
-    further arguments (Q/dO/dQ maps, K/V maps, positions, items, counters, ring slots, item order:
-    none for a random mask); with the
-    ring (8 query blocks a key block) no conversion follows and the preprocess clears nothing,
-    without it (1.6) the conversion rounds the whole workspace."""
+    """A d64 block-sparse backward: preprocess, then the warp-specialised dK/dV kernel with its
+    seven further arguments (Q/dO/dQ maps, K/V maps, positions, items, counters, ring slots, item
+    order: none for a random mask); with the ring (8 query blocks a key block) no conversion
+    follows and the preprocess clears nothing, without it (1.6) the conversion rounds the whole
+    workspace."""
     backward(rng, 64, density)
     kernel, grid, more, params = dkdv_launch(device)
     assert kernel.ws and len(more) == 7
