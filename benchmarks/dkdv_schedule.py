@@ -56,9 +56,7 @@ def main(argv=None) -> int:
                 by_key_order = numpy.concatenate([ordered] * batch).ravel()
                 classes = longest_rows_first(numpy.concatenate([column] * batch).ravel())
                 by_class = "-" if classes is None else f"{makespan(launch[classes], args.sms):.1f}"
-                # (on the steps of the items in key_order, as dkdv_item_order numbers them)
-                steps = numpy.take_along_axis(column, numpy.broadcast_to(mask.key_order[0], column.shape), axis=1)
-                outliers = outliers_first(numpy.concatenate([steps] * batch).ravel())
+                outliers = outliers_first(mask.item_steps(batch, heads, 1, 1, 1))  # (the kernel's rule and numbering)
                 by_outliers = "-" if outliers is None else f"{makespan(by_key_order[outliers], args.sms):.1f}"
                 print(f"{seqlen:>6} {d:>3} {name:>13} {mask.density:7.3f} | {makespan(launch, args.sms):11.1f} "
                       f"{makespan(by_key_order, args.sms):9.1f} {by_class:>8} {by_outliers:>8} "

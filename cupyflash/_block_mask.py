@@ -65,7 +65,7 @@ class BlockMask:
             array.setflags(write=False)
         self._nonzero = int(self.kv_count.sum())
         self._on_device = {}
-        self._tile_orders = {}  # query_tile_order's and dkdv_item_order's, per launch shape and device
+        self._tile_orders = {}  # query_tile_order's and dkdv_item_order's, per launch shape and device (_kept_order)
         # Calls' checked problems with this mask (`_attention._checked_problem`), kept here rather
         # than in a global cache so that they go when the mask goes. They hold no reference to it.
         self._checked_problems = {}
@@ -264,19 +264,8 @@ class BlockMask:
         the tiles keep index order, in which a head's tiles run together and share its K and V in
         L2. Where no tile is in a class above the median's (the sparse benchmark's random and
         local masks), the launch's own order. Rows with no block go last (longest_rows_first)."""
-        key = (batch, heads, seqlen_q, tile_rows, device_id)
-        if key in self._tile_orders:
-            return self._tile_orders[key]
-        order = longest_rows_first(self.tile_key_blocks(batch, heads, seqlen_q, tile_rows))
-        if order is not None:
-            import cupy
-
-            with cupy.cuda.Device(device_id):
-                order = cupy.asarray(order)
-        # Kept as long as the mask (one small array per launch shape): a call captured in a CUDA
-        # graph goes on reading it. Where two threads made it at once, both take the one kept, so
-        # that neither launch reads an array already given back to the pool.
-        return self._tile_orders.setdefault(key, order)
+        return self._kept_order(("forward", batch, heads, seqlen_q, tile_rows), device_id,
+                                lambda: longest_rows_first(self.tile_key_blocks(batch, heads, seqlen_q, tile_rows)))
 
     def dkdv_item_order(self, batch: int, heads: int, kv_group: int, tiles_per_key_block: int,
                         steps_per_query_block: int, device_id: int):
@@ -294,16 +283,25 @@ class BlockMask:
         order, where a few slabs at a time are in flight and their Q_i, dO_i and dQ rows stay in
         L2 (a whole-launch sort lost more in L2 than it gained in the tail at 16384 tokens;
         benchmarks/NOTES.md, session 37). The sparse benchmark's masks have no such column."""
-        key = ("dkdv", batch, heads, kv_group, tiles_per_key_block, steps_per_query_block, device_id)
+        return self._kept_order(
+            ("dkdv", batch, heads, kv_group, tiles_per_key_block, steps_per_query_block), device_id,
+            lambda: outliers_first(self.item_steps(batch, heads, kv_group, tiles_per_key_block, steps_per_query_block)))
+
+    def _kept_order(self, launch: tuple, device_id: int, make):
+        """The order `make()` gives (a host int32 array or None) for this launch shape, copied to
+        the device once. Kept as long as the mask (one small array per launch shape): a call
+        captured in a CUDA graph goes on reading it. Where two threads made it at once, both take
+        the one kept, so that neither launch reads an array already given back to the pool."""
+        key = (*launch, device_id)
         if key in self._tile_orders:
             return self._tile_orders[key]
-        order = outliers_first(self.item_steps(batch, heads, kv_group, tiles_per_key_block, steps_per_query_block))
+        order = make()
         if order is not None:
             import cupy
 
             with cupy.cuda.Device(device_id):
                 order = cupy.asarray(order)
-        return self._tile_orders.setdefault(key, order)  # kept as long as the mask: query_tile_order
+        return self._tile_orders.setdefault(key, order)
 
     def item_steps(self, batch: int, heads: int, kv_group: int, tiles_per_key_block: int,
                    steps_per_query_block: int) -> numpy.ndarray:
