@@ -6,7 +6,10 @@
 
 bf16, d128, batch 4 x seqlen 4096, 16 heads (the sparse grid's shape): one untimed pair compiles,
 then the pair ncu profiles. Same tiles, so the two kernels' counters differ only by the mask walk.
+--density 0.1 (the sparse grid's random mask at that density) and --head-dim 64 profile a short
+tile's pair instead; the warp-specialised forward's kernel is `regex:flash_fwd_ws_kernel`.
 """
+import argparse
 import pathlib
 import sys
 
@@ -15,18 +18,22 @@ import numpy
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 
-def main():
+def main(argv=None):
     import cupy
 
     import bench_sparse
     import cupyflash
     from cupyflash._validation import BFLOAT16
 
-    d, s = 128, 4096
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--density", type=float, default=1.0)
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args(argv)
+    d, s = args.head_dim, 4096
     b, h = 16384 // s, 2048 // d
     rs = cupy.random.default_rng(0)
     q, k, v = (rs.standard_normal((b, s, h, d), dtype=numpy.float32).astype(BFLOAT16) for _ in range(3))
-    mask = bench_sparse.make_mask("random", 1.0, s, h, numpy.random.default_rng(1))
+    mask = bench_sparse.make_mask("random", args.density, s, h, numpy.random.default_rng(1))
     for _ in range(2):
         cupyflash.attention(q, k, v, return_lse=True)
         cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
