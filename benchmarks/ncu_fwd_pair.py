@@ -7,7 +7,8 @@
 bf16, d128, batch 4 x seqlen 4096, 16 heads (the sparse grid's shape): one untimed pair compiles,
 then the pair ncu profiles. Same tiles, so the two kernels' counters differ only by the mask walk.
 --density 0.1 (the sparse grid's random mask at that density) and --head-dim 64 profile a short
-tile's pair instead; the warp-specialised forward's kernel is `regex:flash_fwd_ws_kernel`.
+tile's pair instead; the warp-specialised forward's kernel is `regex:flash_fwd_ws_kernel` (at d64
+only the sparse call takes it: `--launch-skip 1 --launch-count 1`).
 """
 import argparse
 import pathlib
