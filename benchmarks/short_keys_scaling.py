@@ -70,22 +70,6 @@ def check_first_blocks(q, k, v, dout, n_blocks: int, heads: int) -> float:
     return worst
 
 
-def host_us(call, calls: int = 50) -> float:
-    """Wall microseconds to queue one call (the GPU runs behind; synchronised after)."""
-    import time
-
-    import cupy
-
-    call()
-    cupy.cuda.Device().synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    elapsed = time.perf_counter() - start
-    cupy.cuda.Device().synchronize()
-    return elapsed / calls * 1e6
-
-
 def main(argv=None) -> int:
     import cupy
     import torch
@@ -94,6 +78,7 @@ def main(argv=None) -> int:
     import bench
     import bench_sparse
     from bwd_breakdown import record_launches, replay_us
+    from host_breakdown import _wall
     import cupyflash
     from cupyflash._validation import BFLOAT16
 
@@ -154,7 +139,7 @@ def main(argv=None) -> int:
             out = {}
             for x, call in (("fwd", fwd), ("bwd", bwd)):
                 out[f"{x}_kernel_ms"] = replay_us(record_launches(call)) / 1e3
-                out[f"{x}_host_us"] = host_us(call)
+                out[f"{x}_host_us"] = _wall(cupy, call, 50)  # us to queue a call, the GPU behind
             return out
 
         rng = numpy.random.default_rng(d)
