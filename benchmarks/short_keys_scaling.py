@@ -70,6 +70,27 @@ def check_first_blocks(q, k, v, dout, n_blocks: int, heads: int) -> float:
     return worst
 
 
+def parse_args(argv, doc: str, head_dims: str):
+    """(arguments, the device's name) of a scaling tool: --head-dim (default head_dims),
+    --max-seconds for each timing, --out for the CSV; its description the first paragraph of doc."""
+    import cupy
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--head-dim", type=int, action="append", help=f"default {head_dims}")
+    ap.add_argument("--max-seconds", type=float, default=0.3)
+    ap.add_argument("--out", type=pathlib.Path, help="write the rows as CSV here")
+    return ap.parse_args(argv), cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+
+
+def write_csv(path, rows) -> None:
+    """rows (dicts) as CSV at path, the columns in order of first appearance."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(key for r in rows for key in r)))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv=None) -> int:
     import cupy
     import torch
@@ -82,12 +103,7 @@ def main(argv=None) -> int:
     import cupyflash
     from cupyflash._validation import BFLOAT16
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--head-dim", type=int, action="append", help="default 64, 128")
-    ap.add_argument("--max-seconds", type=float, default=0.3)
-    ap.add_argument("--out", type=pathlib.Path, help="write the rows as CSV here")
-    args = ap.parse_args(argv)
-    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    args, device = parse_args(argv, __doc__, "64, 128")
     print(f"# {device}; seqlen_q {SEQLEN_Q}, batch 4, hidden 2048, bf16; ms per call (bench._median_ms)", flush=True)
     median_ms, view = bench._median_ms, bench.torch_view
     rows = []
@@ -184,11 +200,7 @@ def main(argv=None) -> int:
         cupy.get_default_memory_pool().free_all_blocks()
 
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.out, rows)
     print(f"\n## {device}: time against the same method's 32 key blocks (the full problem); "
           "bound 1.2 x density; '*' over it")
     print("# call: bench._median_ms of whole calls; kernels: the calls' launches replayed; host: us to queue a call")
