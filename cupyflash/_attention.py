@@ -1055,6 +1055,7 @@ def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cor
     it has one and the dQ sums are atomic, unless tma=False or CUPYFLASH_HOPPER_TMA=0
     (`_instantiations.TMA_BACKWARD_BY_DEFAULT`); that build's warp-specialised form with ws=True,
     or by default (ws=None) for block masks up to `_instantiations.WS_BACKWARD_MAX_DENSITY`
+    and for unmasked problems up to `_instantiations.WS_BACKWARD_UNMASKED_MAX_SEQLEN_Q` queries
     (`_instantiations.WS_BACKWARD_BY_DEFAULT`, CUPYFLASH_HOPPER_WS_BWD: 1 every problem, 0 none)."""
     if tensor_cores is None:
         tensor_cores = tensor_cores_for(p, device_id)
@@ -1065,8 +1066,11 @@ def backward_kernels(p: _validation.AttentionProblem, device_id: int, tensor_cor
     if ws is None:
         ws = _instantiations.WS_BACKWARD_BY_DEFAULT
     if ws is None:
-        densest = _instantiations.WS_BACKWARD_MAX_DENSITY.get(_instantiations.padded_head_dim(p.head_dim), 0.0)
-        ws = p.block_mask is not None and p.block_mask.density <= densest
+        d = _instantiations.padded_head_dim(p.head_dim)
+        if p.block_mask is None:
+            ws = p.seqlen_q <= _instantiations.WS_BACKWARD_UNMASKED_MAX_SEQLEN_Q.get(d, 0)
+        else:
+            ws = p.block_mask.density <= _instantiations.WS_BACKWARD_MAX_DENSITY.get(d, 0.0)
     return _instantiations.bwd_kernels(
         p.dtype_name, p.head_dim, p.local, tensor_cores, large_shared_memory(device_id), p.block_mask is not None,
         p.modified, p.varlen, wgmma, wgmma and tma and not p.deterministic, ws,

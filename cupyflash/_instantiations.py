@@ -734,15 +734,23 @@ TMA_BACKWARD_BY_DEFAULT = TMA_FORWARD_BY_DEFAULT
 # Their warp-specialised, persistent form (flash_bwd_dkdv_ws_kernel: a block per SM claims key
 # blocks in turn; a producer warp asks for each one's tiles while the consumers compute and write
 # out the last), at these padded head dims. It serves block-sparse problems up to the mask density
-# below (WS_BACKWARD_MAX_DENSITY; CUPYFLASH_HOPPER_WS_BWD=1: every problem a TMA build serves, 0:
-# none). Against the one-block TMA build, whole backward calls on an H200 (bf16, 16384 tokens,
-# the sparse grid's masks; benchmarks/NOTES.md, session 33), first form of its step: d128
+# below (WS_BACKWARD_MAX_DENSITY), and unmasked ones up to the query length below
+# (CUPYFLASH_HOPPER_WS_BWD=1: every problem a TMA build serves, 0: none). Against the one-block
+# TMA build, whole backward calls on an H200 (bf16, 16384 tokens, the sparse grid's masks;
+# benchmarks/NOTES.md, session 33), first form of its step: d128
 # block-sparse 0.90-0.99 of its time at every density, d64 0.78-0.99 at density 0.1 and below,
 # 0.98-1.01 at 0.25, 1.02-1.05 at 0.5; final form, random masks: d64 0.88-0.98 at 0.1, 0.96-0.99
-# at 0.25, d128 0.90-0.95 and 0.93-0.94; unmasked d64 1.03, d128 0.98-0.99 (unmasked problems keep
-# the one-block build until a whole GPU suite has run them through this one).
+# at 0.25, d128 0.90-0.95 and 0.93-0.94; unmasked d64 1.03, d128 0.98-0.99.
+# Unmasked problems (WS_BACKWARD_UNMASKED_MAX_SEQLEN_Q) since session 50 (benchmarks/NOTES.md; H200,
+# bf16, whole calls' launches replayed, ws_bwd_ab.py): d128 0.87-1.00 of the one-block build's time
+# at seqlen 256-16384, causal or not (GQA, MQA 0.99-1.00), 0.78-0.98 with fewer queries than keys
+# (seqlen_q 128-2048); d64 0.74-0.87 where seqlen_q is 128 or 256, but 0.95-1.06 from 512 queries
+# on and 1.4-3.1 where its dQ ring paces short launches (512 queries against 512-1024 keys), so d64
+# keeps the one-block build from 4 query blocks of 128 on (where the ring would start:
+# WS_DQ_RING_MIN_STEPS).
 WS_BACKWARD_HEAD_DIMS = (64, 128)
 WS_BACKWARD_MAX_DENSITY = {64: 0.3, 128: 1.0}
+WS_BACKWARD_UNMASKED_MAX_SEQLEN_Q = {64: 384, 128: math.inf}
 WS_BACKWARD_BY_DEFAULT = {"0": False, "1": True}.get(os.environ.get("CUPYFLASH_HOPPER_WS_BWD", ""))
 # Its dQ ring (flash_bwd_tc.cu, wait_for_slot), at these padded head dims: the preprocess clears
 # nothing and no conversion follows. Whole backward calls on an H200 (benchmarks/NOTES.md, session

@@ -565,18 +565,20 @@ def test_the_dq_ring_serves_masks_that_give_its_rounding_time(monkeypatch):
     assert d64.takes_ring(0.01, 128) and not d128.takes_ring(1.0, 16384)
 
 
-@pytest.mark.parametrize("head_dim,density,ws", [(64, None, False), (128, None, False), (64, 1.0, False),
-                                                 (64, 0.25, True), (64, 0.5, False), (112, 1.0, True),
-                                                 (40, 0.125, True), (128, 0.5, True)])
-def test_the_warp_specialised_dkdv_kernel_serves_sparse_masks_by_default(monkeypatch, head_dim, density, ws):
-    """Unset, CUPYFLASH_HOPPER_WS_BWD leaves the choice to the mask: block-sparse problems up to
-    WS_BACKWARD_MAX_DENSITY of their head dim take the warp-specialised kernel, unmasked ones
-    (density None here) the one-block TMA build."""
+@pytest.mark.parametrize("head_dim,density,seqlen_q,ws", [
+    (64, None, 512, False), (64, None, 384, True), (64, None, 16384, False), (128, None, 512, True),
+    (128, None, 16384, True), (112, None, 64, True), (64, 1.0, 512, False), (64, 0.25, 512, True),
+    (64, 0.5, 512, False), (112, 1.0, 512, True), (40, 0.125, 512, True), (128, 0.5, 512, True)])
+def test_the_warp_specialised_dkdv_kernel_serves_by_default(monkeypatch, head_dim, density, seqlen_q, ws):
+    """Unset, CUPYFLASH_HOPPER_WS_BWD leaves the choice to the problem: block-sparse problems up to
+    WS_BACKWARD_MAX_DENSITY of their head dim take the warp-specialised kernel, unmasked ones (density
+    None here) up to WS_BACKWARD_UNMASKED_MAX_SEQLEN_Q queries (d64: 384, d128: any), the rest the
+    one-block TMA build."""
     from cupyflash import _attention, _validation
 
     _on_an_h100_with_the_hopper_backward(monkeypatch)
     monkeypatch.setattr(_instantiations, "WS_BACKWARD_BY_DEFAULT", None)
-    q = numpy.zeros((1, 512, 2, head_dim), _validation.BFLOAT16)
+    q = numpy.zeros((1, seqlen_q, 2, head_dim), _validation.BFLOAT16)
     p = _validation.check_attention_args(q, q, q, causal=False, scale=None, return_lse=True)
     if density is not None:
         dense = numpy.zeros(16, bool)
