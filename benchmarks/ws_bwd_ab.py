@@ -9,9 +9,9 @@ masks; density 1 is the dense call): one backward call's launches recorded with 
 alternating: the dK/dV kernel alone and the whole call's kernels. --seqlen-q gives the dense calls
 fewer (or more) queries than keys (batch still 16384 tokens / seqlen, the keys), --causal makes them
 causal (dense calls only: the masks are square), --kv-group G gives K and V heads / G heads (GQA).
-Prints microseconds per round, the
-ratio of the warp-specialised build's median to the one-block build's, and whether dK, dV are equal bit
-for bit (they should be: the same steps on the same tiles) and the largest dQ difference.
+Prints microseconds per round, the ratio of the warp-specialised build's median to the one-block
+build's, and whether dK, dV are equal bit for bit (they should be: the same steps on the same tiles)
+and the largest dQ difference.
 """
 
 import argparse
