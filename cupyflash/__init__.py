@@ -1,29 +1,27 @@
 """cupyflash: exact FlashAttention for NumPy, CuPy, PyTorch and JAX arrays.
 
 `attention` and `attention_backward` take arrays of any of these frameworks (and
-`block_sparse_attention` / `block_sparse_attention_backward` with a `BlockMask`, and
-`attention_decode` for KV-cache decoding, `attention_varlen` / `attention_varlen_backward` for
-packed variable-length batches; `dropout_mask` for the keep mask of their dropout); `cupyflash.torch`
-and `cupyflash.jax` wrap them as differentiable functions (torch.autograd / jax.custom_vjp).
+`block_sparse_attention` / `block_sparse_attention_backward` with a `BlockMask`, `attention_decode`
+for KV-cache decoding, `attention_varlen` / `attention_varlen_backward` for packed variable-length
+batches; `dropout_mask` for the keep mask of their dropout). `explain` says which kernels a call
+takes and why. `cupyflash.torch` and `cupyflash.jax` wrap them as differentiable functions
+(torch.autograd / jax.custom_vjp).
 
-Tiled CUDA kernels (kernels/*.cu, compiled at run time through CuPy's NVRTC) compute exact
-softmax attention without materialising the score matrix; `cupyflash.reference` holds the NumPy
-float64 definition they are validated against and the tiled CPU fallback.
+Tiled CUDA kernels (kernels/, compiled at run time through CuPy's NVRTC) compute exact softmax
+attention without materialising the score matrix; `cupyflash.reference` holds the NumPy float64
+definitions they are validated against and the tiled CPU fallback.
 """
 
 from cupyflash import reference
-from cupyflash._attention import (
-    attention,
-    attention_backward,
-    attention_varlen,
-    attention_varlen_backward,
-    block_sparse_attention,
-    block_sparse_attention_backward,
-    dropout_mask,
-    gpu_available,
+from cupyflash.api.attention import (
+    attention, attention_backward, block_sparse_attention, block_sparse_attention_backward,
 )
-from cupyflash._block_mask import BlockMask
-from cupyflash._decode import attention_decode
+from cupyflash.api.decode import attention_decode
+from cupyflash.api.dropout import dropout_mask
+from cupyflash.api.explain import explain
+from cupyflash.api.varlen import attention_varlen, attention_varlen_backward
+from cupyflash.block_mask import BlockMask
+from cupyflash.runtime.device import gpu_available
 
 __all__ = [
     "BlockMask",
@@ -35,6 +33,7 @@ __all__ = [
     "block_sparse_attention",
     "block_sparse_attention_backward",
     "dropout_mask",
+    "explain",
     "gpu_available",
     "reference",
 ]

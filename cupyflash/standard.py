@@ -46,7 +46,7 @@ def standard_attention_forward_backward(q, k, v, dout, *, causal=False, scale=No
 
 def _compute_dtype(x):
     """CuPy has no bfloat16 matmul: bfloat16 runs in float32."""
-    from cupyflash._validation import BFLOAT16
+    from cupyflash.validation import BFLOAT16
 
     return x.astype(numpy.float32) if x.dtype == BFLOAT16 else x
 

@@ -25,8 +25,6 @@ def pytest_configure(config):
         import cupy  # under compute-sanitizer: every allocation its own, so overruns are seen
 
         cupy.cuda.set_allocator(None)
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped when cupy.cuda.is_available() is false)")
-    config.addinivalue_line("markers", "cpu_only: exercises the no-GPU fallback (skipped on a GPU machine)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -55,12 +53,12 @@ def nan_outputs(monkeypatch):
     kernel fails to write fails the comparison."""
     import cupy
 
-    from cupyflash import _attention
+    from cupyflash.api import common
 
     def nan_empty(shape, dtype):
         return cupy.full(shape, numpy.nan, dtype=numpy.float32).astype(dtype)
 
-    monkeypatch.setattr(_attention, "_empty", nan_empty)
+    monkeypatch.setattr(common, "empty", nan_empty)
 
 
 @pytest.fixture
@@ -93,3 +91,21 @@ def jax_gpu():
     if not any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("JAX has no GPU backend here")
     return jax
+
+
+@pytest.fixture
+def policy():
+    """`policy(tma=False, ...)` replaces fields of the planner's policy (dispatch/policy.py) for the
+    rest of the test; calls nest."""
+    import contextlib
+
+    from cupyflash.dispatch.policy import override
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(override(**changes))
+
+
+@pytest.fixture
+def scalar_kernels(policy):
+    """The CUDA-core kernels for every dtype (the tensor-core families left out)."""
+    policy(families=("scalar",))

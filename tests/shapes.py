@@ -20,7 +20,7 @@ DTYPES = ["float16", "bfloat16", "float32", "float64"]
 def numpy_dtype(name):
     import numpy
 
-    from cupyflash._validation import BFLOAT16
+    from cupyflash.validation import BFLOAT16
 
     return BFLOAT16 if name == "bfloat16" else numpy.dtype(name)
 

@@ -4,7 +4,9 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import _attention, reference
+from cupyflash import reference
+from cupyflash.dispatch import plan
+from cupyflash.cpu import reference as cpu_reference
 from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, bits, numpy_dtype, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -13,19 +15,19 @@ pytestmark = pytest.mark.gpu
 def assert_matches_reference(q, k, v, out, lse, dtype, causal, scale=None, block_mask=None, window=None, **mods):
     """Tolerance rule: max error <= 2 x that of the same computation in the input precision + floor.
     mods: softcap, alibi_slopes (as the kernels saw them)."""
-    q, k, v = (reference._as_float64(x) for x in (q, k, v))  # the exact values the kernel saw
+    q, k, v = (cpu_reference.as_float64(x) for x in (q, k, v))  # the exact values the kernel saw
     options = {"causal": causal, "scale": scale, "block_mask": block_mask, "window": window, **mods}
     ref, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
     dt = numpy_dtype(dtype)
     lowp = reference.attention_in_precision(q.astype(dt), k.astype(dt), v.astype(dt), dt, **options)
-    out = reference._as_float64(out)
+    out = cpu_reference.as_float64(out)
     assert not numpy.isnan(out).any(), "NaN in the output: an element was not written"
     err = numpy.abs(out - ref).max(initial=0.0)
     magnitude = reference.output_term_magnitude(q, k, v, **options)
     bound = reference.error_bound(ref, lowp, dtype, magnitude=magnitude)
     assert err <= bound, f"out: max |error| {err:.3e} > bound {bound:.3e} ({dtype})"
 
-    lse = reference._as_float64(lse)
+    lse = cpu_reference.as_float64(lse)
     assert not numpy.isnan(lse).any(), "NaN in lse"
     numpy.testing.assert_array_equal(numpy.isneginf(lse), numpy.isneginf(ref_lse))
     finite = numpy.isfinite(ref_lse)
@@ -126,13 +128,13 @@ def test_captured_calls_keep_what_their_replays_write(rng):
 
 def _record_pointers(monkeypatch):
     seen = {}
-    real = _attention.launch_forward
+    real = plan.plan_forward
 
-    def spy(q, k, v, out, lse, p):
+    def spy(p, q, k, v, out, lse, **kwargs):
         seen.update(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr)
-        return real(q, k, v, out, lse, p)
+        return real(p, q, k, v, out, lse, **kwargs)
 
-    monkeypatch.setattr(_attention, "launch_forward", spy)
+    monkeypatch.setattr(plan, "plan_forward", spy)
     return seen
 
 
@@ -171,27 +173,35 @@ def test_jax_round_trip_is_zero_copy(rng, monkeypatch, jax_gpu):
 
 
 def test_too_much_shared_memory_is_a_clear_error(monkeypatch):
-    from cupyflash import _compile, _instantiations
-
-    kernel = _instantiations.fwd_kernel("float64", 256, False)
-    monkeypatch.setattr(_instantiations.FwdKernel, "smem_bytes", property(lambda self: 10**7))
-    with pytest.raises(ValueError, match="shared memory"):
-        _compile.get_function.__wrapped__(kernel, 0)
-
-
-@pytest.mark.parametrize("source_file,struct,attr", [
-    ("flash_fwd.cu", "cupyflash::FwdParams", "FWD_PARAMS_DTYPE"),
-    ("flash_bwd.cu", "cupyflash::BwdParams", "BWD_PARAMS_DTYPE"),
-    ("flash_decode.cu", "cupyflash::DecodeParams", "DECODE_PARAMS_DTYPE"),
-])
-def test_params_struct_layout_matches_host(source_file, struct, attr):
     import cupy
 
-    from cupyflash import _compile, _instantiations
+    from cupyflash import catalog
+    from cupyflash.catalog.specs import FwdKernel
+    from cupyflash.runtime import compiler
 
-    dtype = getattr(_instantiations, attr)
-    code = _compile.kernel_source(source_file) + _instantiations.params_layout_probe(struct, dtype)
-    probe = cupy.RawModule(code=code, options=_compile.COMPILE_OPTIONS).get_function("params_layout_probe")
+    kernel = catalog.forward_kernel("scalar", "float64", 256)
+    monkeypatch.setattr(FwdKernel, "smem_bytes", property(lambda self: 10**7))
+    with pytest.raises(ValueError, match="shared memory"):
+        compiler.get_function.__wrapped__(kernel, 0)
+    q = cupy.zeros((1, 8, 1, 256), cupy.float64)  # the planner says so before any launch
+    with pytest.raises(ValueError, match="no kernel fits"):
+        cupyflash.attention(q, q, q)
+
+
+@pytest.mark.parametrize("source_file,struct", [
+    ("scalar/fwd.cu", "cupyflash::FwdParams"),
+    ("scalar/bwd.cu", "cupyflash::BwdParams"),
+    ("decode/decode.cu", "cupyflash::DecodeParams"),
+])
+def test_params_struct_layout_matches_host(source_file, struct):
+    import cupy
+
+    from cupyflash.catalog import params
+    from cupyflash.runtime import compiler
+
+    dtype = params.STRUCTS[struct]
+    code = compiler.kernel_source(source_file) + params.layout_probe(struct)
+    probe = cupy.RawModule(code=code, options=compiler.COMPILE_OPTIONS).get_function("params_layout_probe")
     offsets = cupy.zeros(len(dtype.names), dtype=numpy.int64)
     probe((1,), (1,), (offsets,))
     assert offsets.get().tolist() == [dtype.fields[name][1] for name in dtype.names]
@@ -208,5 +218,5 @@ def test_standard_attention_baseline_is_correct(rng, dtype):
     assert out.dtype == q.dtype and out.shape == q.shape
     ref = reference.attention(q, k, v, causal=True)
     lowp = reference.attention_in_precision(q.get(), k.get(), v.get(), numpy_dtype(dtype), causal=True)
-    err = numpy.abs(reference._as_float64(out) - ref).max()
+    err = numpy.abs(cpu_reference.as_float64(out) - ref).max()
     assert err <= reference.error_bound(ref, lowp, dtype)

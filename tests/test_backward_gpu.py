@@ -5,7 +5,9 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import _attention, _instantiations, _validation, reference
+from cupyflash import validation, reference
+from cupyflash.dispatch import plan
+from cupyflash.cpu import reference as cpu_reference
 from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, bits, numpy_dtype, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -17,14 +19,14 @@ def assert_gradients_match_reference(
     """Tolerance rule for each of dq, dk, dv: max error against the float64 gradient <= 2 x that
     of standard attention's backward done in the input precision + a noise floor relative to the
     terms each gradient sums (`reference.gradient_term_magnitudes`). mods: softcap, alibi_slopes."""
-    dout, q, k, v = (reference._as_float64(x) for x in (dout, q, k, v))  # the values the kernels saw
+    dout, q, k, v = (cpu_reference.as_float64(x) for x in (dout, q, k, v))  # the values the kernels saw
     options = {"causal": causal, "scale": scale, "block_mask": block_mask, "window": window, **mods}
     exact = reference.attention_backward(dout, q, k, v, **options)
     dt = numpy_dtype(dtype)
     lowp = reference.attention_backward_in_precision(*(x.astype(dt) for x in (dout, q, k, v)), dt, **options)
     magnitudes = reference.gradient_term_magnitudes(dout, q, k, v, **options)
     for name, got, ref, base, x, magnitude in zip(("dq", "dk", "dv"), grads, exact, lowp, (q, k, v), magnitudes):
-        got = reference._as_float64(got)
+        got = cpu_reference.as_float64(got)
         assert got.shape == x.shape
         assert not numpy.isnan(got).any(), f"NaN in {name}: an element was not written"
         err = numpy.abs(got - ref).max(initial=0.0)
@@ -65,7 +67,7 @@ def test_every_head_dim_class(rng, nan_outputs, dtype, head_dim, deterministic):
 def assert_workspace_poisoned(allocated, rows, heads, head_dim, dtype):
     """The dQ workspace, (rows, heads, head_dim) in the accumulator type, came from the poisoned
     cupy.empty (so the test cannot pass on memory that happened to be zero)."""
-    accum = _validation.lse_dtype(dtype)
+    accum = validation.lse_dtype(dtype)
     assert ((rows, heads, head_dim), accum) in allocated, f"no dQ workspace among {allocated}"
 
 
@@ -73,12 +75,11 @@ def assert_workspace_poisoned(allocated, rows, heads, head_dim, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(2, 113, 203, 3, 64), (1, 1023, 1024, 2, 128), (2, 17, 300, 3, 40)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dq_workspace_is_cleared_by_the_backward(rng, nan_outputs, poisoned_empty, monkeypatch, dtype, shape, causal,
-                                                 tma):
+def test_dq_workspace_is_cleared_by_the_backward(rng, nan_outputs, poisoned_empty, policy, dtype, shape, causal, tma):
     """The float32 dQ workspace is allocated uninitialised and cleared by the preprocess kernel
-    (flash_bwd.cu), on the Hopper TMA path and the atomic one (the same kernels elsewhere): here it
-    starts as NaN, so a row the clear missed puts NaN into dq."""
-    monkeypatch.setattr(_instantiations, "TMA_BACKWARD_BY_DEFAULT", tma)
+    (rows/bwd_rows.cu), on the Hopper TMA path and the atomic one (the same kernels elsewhere): here
+    it starts as NaN, so a row the clear missed puts NaN into dq."""
+    policy(tma=tma)
     inputs, grads = run_forward_backward(rng, dtype, shape, causal, deterministic=False)
     batch, seqlen_q, _, heads, head_dim = shape
     assert_workspace_poisoned(poisoned_empty, batch * seqlen_q, heads, head_dim, dtype)
@@ -212,13 +213,13 @@ def test_torch_adapter_out_sum_backward_and_zero_copy(rng, monkeypatch):
     import cupyflash.torch
 
     seen = {}
-    real = _attention.launch_backward
+    real = plan.plan_backward
 
-    def spy(dout, q, k, v, out, lse, dq, dk, dv, p):
+    def spy(p, dout, q, k, v, out, lse, dq, dk, dv, **kwargs):
         seen.update(q=q.data.ptr, dq=dq.data.ptr)
-        return real(dout, q, k, v, out, lse, dq, dk, dv, p)
+        return real(p, dout, q, k, v, out, lse, dq, dk, dv, **kwargs)
 
-    monkeypatch.setattr(_attention, "launch_backward", spy)
+    monkeypatch.setattr(plan, "plan_backward", spy)
     q, k, v = (torch.randn(1, 64, 2, 32, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
     out = cupyflash.torch.attention(q, k, v, causal=True)
     # out.sum()'s gradient reaches the backward as an expanded tensor with stride 0.
@@ -236,18 +237,18 @@ def test_torch_adapter_reads_strided_views_in_place(rng, monkeypatch):
     import cupyflash.torch
 
     seen = {}
-    forward, backward = _attention.launch_forward, _attention.launch_backward
+    forward, backward = plan.plan_forward, plan.plan_backward
 
-    def spy_forward(q, k, v, out, lse, p, **kwargs):
+    def spy_forward(p, q, k, v, out, lse, **kwargs):
         seen.update(forward=(q.data.ptr, k.data.ptr, v.data.ptr))
-        return forward(q, k, v, out, lse, p, **kwargs)
+        return forward(p, q, k, v, out, lse, **kwargs)
 
-    def spy_backward(dout, q, k, v, out, lse, dq, dk, dv, p, **kwargs):
+    def spy_backward(p, dout, q, k, v, out, lse, dq, dk, dv, **kwargs):
         seen.update(backward=(q.data.ptr, k.data.ptr, v.data.ptr))
-        return backward(dout, q, k, v, out, lse, dq, dk, dv, p, **kwargs)
+        return backward(p, dout, q, k, v, out, lse, dq, dk, dv, **kwargs)
 
-    monkeypatch.setattr(_attention, "launch_forward", spy_forward)
-    monkeypatch.setattr(_attention, "launch_backward", spy_backward)
+    monkeypatch.setattr(plan, "plan_forward", spy_forward)
+    monkeypatch.setattr(plan, "plan_backward", spy_backward)
     q0 = torch.randn(2, 3, 150, 64, device="cuda", dtype=torch.float64).to(torch.bfloat16)
     kv0 = torch.randn(2, 190, 2, 3, 64, device="cuda", dtype=torch.float64).to(torch.bfloat16)
     dout = torch.randn(2, 150, 3, 64, device="cuda", dtype=torch.float64).to(torch.bfloat16)

@@ -9,7 +9,8 @@ import pytest
 import scipy.special
 
 import cupyflash
-from cupyflash import BlockMask, _instantiations, reference
+from cupyflash import BlockMask, catalog, reference
+from cupyflash.catalog import tiles
 from shapes import random_qkv
 
 
@@ -55,7 +56,7 @@ def test_query_tiles_of_the_longest_rows_start_first(rng):
     """The warp-specialised forward's tile order (BlockMask.query_tile_order): tiles by class of
     their key-block count (floor(log2(count / median) + 0.5)), the highest first, index order
     within a class, empty rows last; None where no tile's class is above the median's."""
-    from cupyflash._block_mask import longest_rows_first
+    from cupyflash.block_mask import longest_rows_first
 
     # A BigBird-like row of 30 blocks first, then the one at 1.5x the median (class 1), the rest
     # in index order, the empty row last.
@@ -107,7 +108,7 @@ def test_dkdv_items_of_columns_far_longer_than_the_rest_start_first(rng, mask_sh
     K/V heads, then batch; its steps are its key block's query blocks over every head of its
     group), and outliers_first: the items of class 3 and above first, by class, then the rest in
     launch order; None where there is no such item."""
-    from cupyflash._block_mask import outliers_first
+    from cupyflash.block_mask import outliers_first
 
     dense = random_mask(rng, mask_shape, 0.3)
     mask = BlockMask(dense)
@@ -384,12 +385,14 @@ def test_cpu_fallback(rng):
 
 
 def test_granularity_is_every_kernels_largest_tile():
-    for dtype_name in _instantiations.DTYPE_NAMES:
+    for dtype_name in tiles.DTYPE_NAMES:
         for d in (1, 64, 100, 256):
-            tile_q, tile_k = _instantiations.block_mask_granularity(dtype_name, d)
+            tile_q, tile_k = catalog.block_mask_granularity(dtype_name, d)
             assert 128 % tile_q == 0 and 128 % tile_k == 0  # the default block size always works
-            kernels = [_instantiations.fwd_kernel(dtype_name, d, True), *_instantiations.bwd_kernels(dtype_name, d, True)]
-            if dtype_name in _instantiations.TENSOR_CORE_DTYPES:
-                kernels += [_instantiations.fwd_kernel(dtype_name, d, True, True)]
-                kernels += [*_instantiations.bwd_kernels(dtype_name, d, True, True, large_smem=True)]
+            v = catalog.Variant(local=True, block_sparse=True)
+            kernels = [catalog.forward_kernel("scalar", dtype_name, d, v), catalog.dkdv_kernel("scalar", dtype_name, d, v),
+                       catalog.dq_kernel(False, dtype_name, d, v)]
+            if dtype_name in tiles.TENSOR_CORE_DTYPES:
+                kernels += [catalog.forward_kernel("sm80", dtype_name, d, v), catalog.dq_kernel(True, dtype_name, d, v),
+                            catalog.dkdv_kernel("sm80", dtype_name, d, v, large_smem=True)]
             assert all(tile_q % k.tile.block_m == 0 and tile_k % k.tile.block_n == 0 for k in kernels)

@@ -7,7 +7,10 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, _attention, _instantiations, _validation
+from cupyflash import BlockMask, validation
+from cupyflash.catalog import tiles
+from families import HOPPER, MMA_SYNC, SCALAR, backward, forward
+from cupyflash.api import common
 from shapes import DTYPES, bits, random_qkv
 from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference, assert_workspace_poisoned
@@ -31,17 +34,16 @@ def run_block_sparse(rng, dtype, shape, mask, causal, deterministic=False, grads
 
 @pytest.mark.parametrize("ring", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dq_workspace_is_cleared_where_no_block_is_kept(rng, monkeypatch, nan_outputs, poisoned_empty, dtype, ring):
+def test_dq_workspace_is_cleared_where_no_block_is_kept(rng, policy, nan_outputs, poisoned_empty, dtype, ring):
     """Query rows whose blocks are all zero get no dQ share from any key block: their rows of the
     uninitialised (here NaN) workspace must still come out as dq = 0. With `ring`, the Hopper
-    warp-specialised kernel's dQ ring instead (zeroed, flash_bwd_tc.cu's wait_for_slot), whose
+    warp-specialised kernel's dQ ring instead (zeroed, sm90/bwd_dkdv_ws.cu's wait_for_slot), whose
     rounding must write those rows of dq (NaN before) too; two slots for six slabs, so that the
     rows come from reused slots (where a Hopper kernel serves the dtype; elsewhere the whole
     workspace, unchecked)."""
-    monkeypatch.setattr(_instantiations, "WS_DQ_RING_HEAD_DIMS", (64,) if ring else ())
+    policy(ring_head_dims=(64,) if ring else ())
     if ring:
-        monkeypatch.setattr(_instantiations, "WS_BACKWARD_BY_DEFAULT", True)
-        monkeypatch.setattr(_instantiations, "WS_DQ_RING_SLABS", 2)
+        policy(ws_backward=True, ring_slabs=2)
     seqlen_q, seqlen_k, heads = 517, 300, 3
     dense = rng.random((heads, math.ceil(seqlen_q / 128), math.ceil(seqlen_k / 128))) < 0.5
     dense[:, 1] = False  # a query block with no key block, in every head
@@ -92,16 +94,15 @@ def test_key_blocks_start_longest_first(rng, nan_outputs, dtype, causal):
     q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, seqlen_q, seqlen_k, heads, 64))
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
     out, lse = cupyflash.block_sparse_attention(q, k, v, mask, causal=causal, return_lse=True)
-    p = _validation.check_backward_args(dout, q, k, v, out, lse, causal=causal, scale=None, deterministic=False)
-    p = _validation.check_block_mask(mask, p)
-    families = [{"tensor_cores": False}]
-    if _attention.tensor_cores_for(p, q.device.id):
-        families.append({"tensor_cores": True, "wgmma": False})
-        if _attention._uses_wgmma(p, q.device.id):
-            families.append({"tensor_cores": True, "wgmma": True})
+    p = validation.check_backward_args(dout, q, k, v, out, lse, causal=causal, scale=None, deterministic=False)
+    p = common.check_block_mask(mask, p)
+    # Every family that serves the problem here: the scalar kernels, mma.sync, and on sm_90 the Hopper ones.
+    sm_90 = cupy.cuda.Device().compute_capability == "90"
+    families = [SCALAR] + ([MMA_SYNC] if dtype in tiles.TENSOR_CORE_DTYPES else []) + (
+        [HOPPER] if sm_90 and dtype in tiles.TENSOR_CORE_DTYPES else [])
     for family in families:
         grads = [cupy.full(x.shape, numpy.nan, numpy.float32).astype(x.dtype) for x in (q, k, v)]
-        _attention.launch_backward(dout, q, k, v, out, lse, *grads, p, **family)
+        backward(p, dout, q, k, v, out, lse, *grads, families=family)
         assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask)
 
 
@@ -132,11 +133,9 @@ def test_full_mask_is_bitwise_dense_attention(rng, dtype):
     one's, `tc_fwd_tile_shape`)."""
     import cupy
 
-    from cupyflash import _instantiations
-
     for causal, head_dim in ((False, 59), (True, 150)):
-        d = _instantiations.padded_head_dim(head_dim)
-        assert _instantiations.tc_fwd_tile_shape(d, True, causal) == _instantiations.tc_fwd_tile_shape(d, False, causal)
+        d = tiles.padded_head_dim(head_dim)
+        assert tiles.tc_fwd_tile_shape(d, True, causal) == tiles.tc_fwd_tile_shape(d, False, causal)
         q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 333, 517, 2, head_dim))
         dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
         mask = BlockMask(numpy.ones((1, 3, 5), bool))
@@ -171,12 +170,12 @@ def test_scalar_and_tensor_core_paths_agree(rng):
 
     q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float16", 1, 400, 400, 2, 64))
     mask = BlockMask(rng.random((2, 4, 4)) < 0.5)
-    p = _validation.check_attention_args(q, k, v, causal=True, scale=None, return_lse=True)
-    p = _validation.check_block_mask(mask, p)
-    for tensor_cores in (False, True):
+    p = validation.check_attention_args(q, k, v, causal=True, scale=None, return_lse=True)
+    p = common.check_block_mask(mask, p)
+    for families in (SCALAR, MMA_SYNC):
         out = cupy.full(q.shape, numpy.nan, q.dtype)
         lse = cupy.full((1, 2, 400), numpy.nan, numpy.float32)
-        _attention.launch_forward(q, k, v, out, lse, p, tensor_cores=tensor_cores)
+        forward(p, q, k, v, out, lse, families)
         assert_matches_reference(q, k, v, out, lse, "float16", True, block_mask=mask)
 
 

@@ -1,4 +1,4 @@
-"""The cache of checked problems (`_attention._checked_problem`) and the launches' parameter
+"""The cache of checked problems (api/common.py) and the launches' parameter
 records: what a repeated call may skip, and what it may not. Runs anywhere (the CPU fallback
 without a GPU, the kernels with one)."""
 
@@ -9,7 +9,10 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, _attention, _instantiations, _validation, reference
+from cupyflash import BlockMask, validation, reference
+from cupyflash.api import common
+from cupyflash.catalog.params import BWD_PARAMS_DTYPE, FWD_PARAMS_DTYPE
+from cupyflash.runtime import launch, params, tma, workspace
 from shapes import random_qkv
 
 
@@ -29,12 +32,12 @@ class CountingDict(dict):
 def cache(monkeypatch):
     """An empty cache of checked problems (calls without a block mask) that counts its misses."""
     empty = CountingDict()
-    monkeypatch.setattr(_attention, "_CHECKED", empty)
+    monkeypatch.setattr(common, "CHECKED", empty)
     return empty
 
 
 def test_option_keys_tell_types_apart():
-    key = _attention.option_key
+    key = common.option_key
     assert key(True) != key(1) and key(1) != key(1.0) and key(True) != key(numpy.True_)
     assert key((1, None)) != key((True, None)) and key((1, None)) == key((1, None))
     assert key((0.5, (2, None))) != key((0.5, (2.0, None)))
@@ -84,11 +87,11 @@ def test_a_masks_problems_stay_with_the_mask_and_go_with_it(rng, cache):
         out = cupyflash.block_sparse_attention(q, k, v, mask)
     exact = reference.attention(*(x.astype(numpy.float64) for x in (q, k, v)), block_mask=mask)
     numpy.testing.assert_allclose(out, exact, atol=2e-5)
-    assert cache.inserted == 0 and len(mask._checked_problems) == 1
-    assert all(p.block_mask is None for p in mask._checked_problems.values())
+    assert cache.inserted == 0 and len(mask.checked_problems) == 1
+    assert all(p.block_mask is None for p in mask.checked_problems.values())
     other = BlockMask(mask.to_dense())  # equal, but another object: checked for itself
     cupyflash.block_sparse_attention(q, k, v, other)
-    assert len(other._checked_problems) == 1
+    assert len(other.checked_problems) == 1
     dropped = weakref.ref(mask)
     gc.disable()
     try:
@@ -108,36 +111,36 @@ def test_a_wrong_mask_is_refused_after_a_good_one(rng, cache):
 
 
 def test_the_cache_keeps_a_bounded_number_of_problems(rng, cache, monkeypatch):
-    monkeypatch.setattr(_attention, "_CHECKED_KEPT", 3)
+    monkeypatch.setattr(common, "CHECKED_KEPT", 3)
     for seqlen in range(1, 6):
         q, k, v = random_qkv(rng, "float32", 1, seqlen, 4, 1, 8)
         cupyflash.attention(q, k, v)
-    assert len(_attention._CHECKED) == 3
+    assert len(common.CHECKED) == 3
 
 
 @pytest.mark.parametrize("dtype,pointers", [
-    (_instantiations.FWD_PARAMS_DTYPE, ("q", "k", "v", "o", "lse")),
-    (_instantiations.BWD_PARAMS_DTYPE, ("lse", "lse_log2", "d", "dq_accum", "q", "k", "v", "o", "dout", "dq", "dk", "dv")),
+    (FWD_PARAMS_DTYPE, ("q", "k", "v", "o", "lse")),
+    (BWD_PARAMS_DTYPE, ("lse", "lse_log2", "d", "dq_accum", "q", "k", "v", "o", "dout", "dq", "dk", "dv")),
 ])
 def test_a_launch_record_writes_each_calls_pointers(rng, dtype, pointers):
     """The struct a record gives for new pointers holds, field by field, the struct built from scratch
     (the padding between fields is left as it comes)."""
     fields = {name: int(x) for name, x in zip(dtype.names, rng.integers(0, 2**31, len(dtype.names)))}
-    record = _attention._LaunchRecord(dtype, fields, pointers)
+    record = params.LaunchRecord(dtype, fields, pointers)
     for _ in range(2):
         new = {name: int(x) for name, x in zip(pointers, rng.integers(0, 2**63, len(pointers), dtype=numpy.uint64))}
         made = record.params(new)
         assert made.dtype == dtype and made.shape == (1,)
-        assert made[0].tolist() == _attention._params(dtype, {**fields, **new})[0].tolist()
-    assert record.params(fields)[0].tolist() == _attention._params(dtype, fields)[0].tolist()
+        assert made[0].tolist() == params.image(dtype, {**fields, **new})[0].tolist()
+    assert record.params(fields)[0].tolist() == params.image(dtype, fields)[0].tolist()
 
 
 def test_a_launch_record_keeps_the_newest_tensor_maps(monkeypatch):
     """A record keeps the maps of _MAPS_KEPT pointer sets, dropping the oldest first (keep_bounded,
     as the problems' cache); a kept set's maps are not made again."""
-    monkeypatch.setattr(_attention._LaunchRecord, "_MAPS_KEPT", 3)
-    dtype = _instantiations.FWD_PARAMS_DTYPE
-    record = _attention._LaunchRecord(dtype, dict.fromkeys(dtype.names, 0), ())
+    monkeypatch.setattr(params.LaunchRecord, "MAPS_KEPT", 3)
+    dtype = FWD_PARAMS_DTYPE
+    record = params.LaunchRecord(dtype, dict.fromkeys(dtype.names, 0), ())
     made = []
 
     def maps_for(key):
@@ -190,7 +193,7 @@ def test_bounded_inserts_from_many_threads():
         def work(index):
             try:
                 for n in range(3000):
-                    _attention.keep_bounded(cache, (index, n), n, 4)
+                    workspace.keep_bounded(cache, (index, n), n, 4)
             except Exception as error:  # noqa: BLE001 - the test reports whatever a thread raised
                 errors.append(repr(error))
 
@@ -205,11 +208,11 @@ def test_bounded_inserts_from_many_threads():
 
 
 def test_launch_arguments_go_by_their_arrays_addresses():
-    """_launch passes each argument's bytes by address: the struct (a record view of a copy), the
+    """launch passes each argument's bytes by address: the struct (a record view of a copy), the
     maps, a 0-d scalar, and the arrays ctypes cannot view (read-only, empty, strided) alike."""
-    record = numpy.zeros(1, _instantiations.FWD_PARAMS_DTYPE)
+    record = numpy.zeros(1, FWD_PARAMS_DTYPE)
     frozen = numpy.arange(4, dtype=numpy.uint64)
     frozen.flags.writeable = False
-    for x in (record, record.view(numpy.uint64).copy().view(record.dtype), _attention._tma.NO_MAPS,
+    for x in (record, record.view(numpy.uint64).copy().view(record.dtype), tma.NO_MAPS,
               numpy.array(7, numpy.int32), frozen, numpy.zeros(0, numpy.uint8), numpy.zeros((4, 4), numpy.uint32)[:, ::2]):
-        assert _attention._address(x) == x.ctypes.data
+        assert launch._address(x) == x.ctypes.data

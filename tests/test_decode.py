@@ -5,7 +5,10 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import _decode, _instantiations, reference
+from cupyflash import catalog, reference
+from cupyflash.catalog.decode import DecodeKernelBase
+from cupyflash.catalog.tiles import DECODE_MAX_SPLITS, DTYPE_NAMES, PADDED_HEAD_DIMS, TENSOR_CORE_DTYPES
+from cupyflash.dispatch.decode import choose_splits
 from test_variants import brute_force
 
 
@@ -110,36 +113,36 @@ def test_read_only_cache_is_refused(rng):
 
 def test_split_heuristic():
     slots = 132 * 2
-    assert _decode.choose_splits(blocks=264, key_tiles=1024, slots=slots) == 1  # a full wave already
-    assert _decode.choose_splits(blocks=4, key_tiles=7, slots=slots) == 1  # too few tiles to split
+    assert choose_splits(blocks=264, key_tiles=1024, slots=slots) == 1  # a full wave already
+    assert choose_splits(blocks=4, key_tiles=7, slots=slots) == 1  # too few tiles to split
     for blocks in (1, 4, 8, 32, 100):
         for tiles in (8, 100, 1024):
-            splits = _decode.choose_splits(blocks=blocks, key_tiles=tiles, slots=slots)
-            assert 1 <= splits <= min(_instantiations.DECODE_MAX_SPLITS, tiles // 4)
+            splits = choose_splits(blocks=blocks, key_tiles=tiles, slots=slots)
+            assert 1 <= splits <= min(DECODE_MAX_SPLITS, tiles // 4)
     # One sequence of 32 heads over 1024 tiles: split until about a wave or more of blocks.
-    assert 32 * _decode.choose_splits(blocks=32, key_tiles=1024, slots=slots) >= 0.8 * slots
+    assert 32 * choose_splits(blocks=32, key_tiles=1024, slots=slots) >= 0.8 * slots
     # The shortest critical path: 8 blocks over 128 tiles take 32 splits of 4 tiles, not 31 (whose
     # longest split has 5 tiles, as with 26), and never a count whose longest split is no shorter
     # than the count below's.
-    assert _decode.choose_splits(blocks=8, key_tiles=128, slots=slots) == 32
+    assert choose_splits(blocks=8, key_tiles=128, slots=slots) == 32
     # The tensor-core kernel counts one block per SM: 16 splits of 8 tiles, where 32 of 4 would
     # make two waves (two blocks on most SMs) with no shorter path.
-    assert _decode.choose_splits(blocks=8, key_tiles=128, slots=132) == 16
+    assert choose_splits(blocks=8, key_tiles=128, slots=132) == 16
     for blocks in (1, 3, 8, 20):
         for tiles in (9, 100, 128, 333, 1024):
-            s = _decode.choose_splits(blocks=blocks, key_tiles=tiles, slots=slots)
+            s = choose_splits(blocks=blocks, key_tiles=tiles, slots=slots)
             assert s == 1 or -(-tiles // s) < -(-tiles // (s - 1)), (blocks, tiles, s)
 
 
 def test_decode_instantiations_cover_every_dtype_and_head_dim():
-    kernels = _instantiations.all_decode_kernels()
-    for name in _instantiations.DTYPE_NAMES:
-        for d in _instantiations.PADDED_HEAD_DIMS:
-            assert _instantiations.decode_kernel(name, d) in kernels
-            if name in _instantiations.TENSOR_CORE_DTYPES:
-                assert _instantiations.decode_kernel(name, d, tensor_cores=True) in kernels
-    with pytest.raises(ValueError, match="tensor-core kernels take float16 or bfloat16"):
-        _instantiations.decode_kernel("float32", 64, tensor_cores=True)
+    kernels = [k for k in catalog.all_kernels() if isinstance(k, DecodeKernelBase)]
+    for name in DTYPE_NAMES:
+        for d in PADDED_HEAD_DIMS:
+            assert catalog.decode_kernel(name, d) in kernels
+            if name in TENSOR_CORE_DTYPES:
+                assert catalog.decode_kernel(name, d, tensor_cores=True) in kernels
+    with pytest.raises(ValueError, match="tensor-core decode kernel takes float16 or bfloat16"):
+        catalog.decode_kernel("float32", 64, tensor_cores=True)
 
 
 @pytest.mark.cpu_only

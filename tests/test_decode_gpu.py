@@ -6,7 +6,10 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import _attention, _decode, reference
+from cupyflash import reference
+from cupyflash.api import decode
+from cupyflash.runtime import workspace
+from cupyflash.cpu import reference as cpu_reference
 from shapes import DTYPES, HEAD_DIMS, bits, captured, numpy_dtype, replay_into_nan
 from test_attention_gpu import assert_matches_reference
 
@@ -67,7 +70,7 @@ def decode_and_check(rng, dtype, *, batch=3, seqlen_q=1, heads=4, heads_kv=4, he
         numpy.testing.assert_array_equal(bits(after), bits(expected))
 
     accum = numpy.float64 if dtype == "float64" else numpy.float32  # the slopes as the kernels read them
-    seen = None if slopes is None else reference._as_float64(reference._as_float64(slopes).astype(accum))
+    seen = None if slopes is None else cpu_reference.as_float64(cpu_reference.as_float64(slopes).astype(accum))
     for b, n in enumerate(lengths + seqlen_new):
         mods = {"softcap": softcap}
         if seen is not None:
@@ -148,11 +151,11 @@ def test_decode_lengths_on_the_host_or_another_framework(rng, nan_outputs):
 
 
 def test_decoding_loop_checks_each_step_shape_once(rng, nan_outputs):
-    """Steps of one shape are checked once (`_decode._checked_steps`); every step still computes
+    """Steps of one shape are checked once (`decode.CHECKED_STEPS`); every step still computes
     on its own data and lengths, and a call that differs in any checked respect is checked."""
     import cupy
 
-    _decode._checked_steps.clear()
+    decode.CHECKED_STEPS.clear()
     k_cache, v_cache = (cupy.asarray(rng.standard_normal((2, 64, 2, 32)).astype(numpy.float32)) for _ in range(2))
     lengths = cupy.asarray([0, 10], numpy.int32)
     for _ in range(5):
@@ -163,7 +166,7 @@ def test_decoding_loop_checks_each_step_shape_once(rng, nan_outputs):
         want = reference.attention_decode(q, k_before, v_before, lengths, k_new=k_new, v_new=v_new, causal=True)
         numpy.testing.assert_allclose(out.get(), want, atol=1e-5)
         lengths += 1
-    assert len(_decode._checked_steps) == 1
+    assert len(decode.CHECKED_STEPS) == 1
     with pytest.raises(ValueError, match="cache_seqlens is required with k_new"):
         cupyflash.attention_decode(q, k_cache, v_cache, None, k_new=k_new, v_new=v_new)
     with pytest.raises(TypeError, match="k_new must have q's dtype"):
@@ -181,9 +184,8 @@ def test_decode_empty_caches(rng, nan_outputs):
     assert not out.any() and bool(cupy.isneginf(lse).all())
 
 
-def test_decode_scalar_path_for_16_bit(rng, nan_outputs, monkeypatch):
+def test_decode_scalar_path_for_16_bit(rng, nan_outputs, scalar_kernels):
     """16-bit decoding on the CUDA-core kernel (what GPUs older than sm_80 run)."""
-    monkeypatch.setattr(_attention, "tensor_cores_for", lambda p, device_id: False)
     decode_and_check(rng, "float16", seqlen_q=4, heads=8, heads_kv=2, head_dim=96, cache_len=900, seqlen_new=4,
                      causal=True)
     decode_and_check(rng, "bfloat16", seqlen_q=1, heads=4, heads_kv=4, head_dim=256, cache_len=400, window=(50, 0))
@@ -263,8 +265,7 @@ def test_decode_softcap_and_alibi(rng, nan_outputs, dtype, heads, heads_kv, seql
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_decode_softcap_and_alibi_scalar_kernel_and_window(rng, nan_outputs, monkeypatch, head_dim):
-    monkeypatch.setattr(_attention, "tensor_cores_for", lambda p, device_id: False)
+def test_decode_softcap_and_alibi_scalar_kernel_and_window(rng, nan_outputs, scalar_kernels, head_dim):
     decode_and_check(rng, "bfloat16", seqlen_q=3, heads=4, heads_kv=2, head_dim=head_dim, cache_len=900,
                      seqlen_new=3, causal=True, window=(100, None), softcap=3.0, alibi="batch")
 
@@ -280,7 +281,7 @@ def test_decode_split_merge_counters(rng, nan_outputs, dtype):
         decode_and_check(rng, dtype, batch=2, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
                          cache_len=2000, num_splits=num_splits)
     cupy.cuda.Device().synchronize()
-    assert _attention._ZEROED and not any(c.any() for c in _attention._ZEROED.values())
+    assert workspace.ZEROED and not any(c.any() for c in workspace.ZEROED.values())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])

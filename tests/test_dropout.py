@@ -9,7 +9,9 @@ import pytest
 import scipy.special
 
 import cupyflash
-from cupyflash import _dropout, _instantiations, _validation, reference
+from cupyflash import catalog, validation, reference
+from cupyflash.catalog.specs import DropoutMaskKernel
+from cupyflash.cpu import philox
 
 
 # Random123's kat_vectors, "philox4x32 10" lines: counter, key -> output.
@@ -23,7 +25,7 @@ KNOWN_ANSWERS = [
 
 @pytest.mark.parametrize("counter,key,expected", KNOWN_ANSWERS)
 def test_philox_known_answers(counter, key, expected):
-    assert tuple(int(w) for w in _dropout.philox4x32_10(counter, key)) == expected
+    assert tuple(int(w) for w in philox.philox4x32_10(counter, key)) == expected
 
 
 def test_mask_is_the_documented_function_of_coordinates():
@@ -37,7 +39,7 @@ def test_mask_is_the_documented_function_of_coordinates():
     rng = numpy.random.default_rng(0)
     for b, h, i, j in zip(rng.integers(0, 2, 60), rng.integers(0, heads, 60), rng.integers(0, 21, 60),
                           rng.integers(0, 35, 60)):
-        words = _dropout.philox4x32_10((group(j), group(i), b * heads + h, offset), (seed % 2**32, seed >> 32))
+        words = philox.philox4x32_10((group(j), group(i), b * heads + h, offset), (seed % 2**32, seed >> 32))
         assert keep[b, h, i, j] == (int(words[2 * (i // 8 % 2) + j // 8 % 2]) >= threshold)
 
 
@@ -45,7 +47,7 @@ def test_mask_of_a_smaller_problem_is_a_corner_of_a_larger_one():
     big = cupyflash.dropout_mask(3, 2, 100, 130, dropout_p=0.5, seed=5, offset=1, device=False)
     small = cupyflash.dropout_mask(2, 2, 37, 81, dropout_p=0.5, seed=5, offset=1, device=False)
     numpy.testing.assert_array_equal(small, big[:2, :, :37, :81])
-    numpy.testing.assert_array_equal(_dropout.keep_mask_numpy(1, 2, 37, 81, 0.5, 5, 1, batch_start=2), big[2:, :, :37, :81])
+    numpy.testing.assert_array_equal(philox.keep_mask_numpy(1, 2, 37, 81, 0.5, 5, 1, batch_start=2), big[2:, :, :37, :81])
 
 
 def test_keep_rate_and_independence_of_streams():
@@ -64,15 +66,15 @@ def test_keep_rate_and_independence_of_streams():
 
 
 def test_p_resolution_and_rescale():
-    assert _dropout.threshold(0.0) == 0 and _dropout.rescale(0.0) == 1.0
-    assert _dropout.threshold(0.25) == 2**30 and _dropout.rescale(0.25) == 4 / 3
-    assert _dropout.threshold(1 - 2**-40) == 2**32 - 1  # never all dropped: the threshold fits 32 bits
-    assert not _validation.check_dropout(1e-12, 3, 0, _problem()).dropout  # below 2^-32: no dropout
+    assert philox.threshold(0.0) == 0 and philox.rescale(0.0) == 1.0
+    assert philox.threshold(0.25) == 2**30 and philox.rescale(0.25) == 4 / 3
+    assert philox.threshold(1 - 2**-40) == 2**32 - 1  # never all dropped: the threshold fits 32 bits
+    assert not validation.check_dropout(1e-12, 3, 0, _problem()).dropout  # below 2^-32: no dropout
 
 
 def _problem():
     x = numpy.zeros((1, 4, 2, 8), numpy.float32)
-    return _validation.check_attention_args(x, x, x, causal=False, scale=None, return_lse=False)
+    return validation.check_attention_args(x, x, x, causal=False, scale=None, return_lse=False)
 
 
 def brute_force(q, k, v, keep, p, causal=False, scale=None):
@@ -173,11 +175,11 @@ def test_output_is_unbiased(rng):
 
 
 def test_dropout_takes_the_score_modifier_kernels():
-    p = _validation.check_dropout(0.1, 1, 0, _problem())
+    p = validation.check_dropout(0.1, 1, 0, _problem())
     assert p.dropout and p.modified and not p.score_mod
-    kernel = _instantiations.fwd_kernel(p.dtype_name, p.head_dim, p.local, False, False, p.modified, p.varlen)
-    assert kernel.score_mod and kernel in _instantiations.all_kernels()
-    assert _instantiations.DropoutMaskKernel() in _instantiations.all_kernels()
+    kernel = catalog.forward_kernel("scalar", p.dtype_name, p.head_dim, catalog.Variant(p.local, False, p.modified))
+    assert kernel.score_mod and kernel in catalog.all_kernels()
+    assert DropoutMaskKernel() in catalog.all_kernels()
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

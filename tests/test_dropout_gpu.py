@@ -9,7 +9,9 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, _attention, _dropout, reference
+from cupyflash import BlockMask, reference
+from cupyflash.cpu import reference as cpu_reference
+from cupyflash.cpu import philox
 from shapes import DTYPES, bits, numpy_dtype
 from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference
@@ -107,9 +109,8 @@ def test_with_modifiers_window_and_block_mask(rng, nan_outputs, dtype):
     run(rng, dtype, (1, 300, 300, 4, 96), 4, 0.3, window=(30, 40), softcap=2.0)
 
 
-def test_scalar_path(rng, nan_outputs, monkeypatch):
+def test_scalar_path(rng, nan_outputs, scalar_kernels):
     """16-bit problems on the scalar kernels (what GPUs older than sm_80 run)."""
-    monkeypatch.setattr(_attention, "tensor_cores_for", lambda p, device_id: False)
     run(rng, "float16", (1, 211, 300, 4, 64), 2, 0.3, causal=True)
     run(rng, "bfloat16", (2, 130, 97, 3, 128), 1, 0.5, window=(10, 20), deterministic=True, alibi=True)
 
@@ -148,7 +149,7 @@ def test_varlen_and_seqlens_k(rng, nan_outputs, dtype):
             ref = reference.attention(q[b : b + 1], k[b : b + 1, :keys], v[b : b + 1, :keys], dropout_batch_start=b,
                                       **options)
             scale = float(numpy.abs(ref).max())
-            assert numpy.abs(reference._as_float64(out[b : b + 1]) - ref).max() <= 0.02 * scale
+            assert numpy.abs(cpu_reference.as_float64(out[b : b + 1]) - ref).max() <= 0.02 * scale
 
 
 def test_reproducible_and_seed_dependent(rng):
@@ -227,7 +228,7 @@ def test_jax_adapter(rng, jax_gpu):
     as_np = [numpy.asarray(x, dtype=numpy.float64) for x in (q, k, v)]
     assert_gradients_match_reference(numpy.ones(q.shape), *as_np, [numpy.asarray(g) for g in grads], "float32",
                                      **options)
-    assert abs(_dropout.rescale(0.25) - 4 / 3) < 1e-12
+    assert abs(philox.rescale(0.25) - 4 / 3) < 1e-12
 
 
 def test_jax_cpu_backend(rng, jax_gpu):

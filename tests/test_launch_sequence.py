@@ -1,4 +1,4 @@
-"""What `launch_backward` queues, on any machine: the host side of the backward (kernel choice, the
+"""What the backward's plan (dispatch/plan.py's plan_backward) queues, on any machine: the host side of the backward (kernel choice, the
 dQ ring or workspace, the warp-specialised kernel's arguments, what a graph capture keeps) run
 against a stand-in Hopper device whose launches and allocations are recorded, not run. The GPU
 tests run the same paths for real; these catch wiring mistakes in CI, where no GPU reaches the
@@ -11,12 +11,18 @@ import types
 import numpy
 import pytest
 
-from cupyflash import BlockMask, _attention, _instantiations as inst, _tma, _validation
-from cupyflash._validation import BFLOAT16
+from cupyflash import BlockMask, validation
+from cupyflash.api import common
+from cupyflash.catalog.tensor_cores import TcBwdDkdvKernel, TcBwdDqKernel
+from cupyflash.dispatch import plan
+from cupyflash.dispatch.policy import Policy
+from cupyflash.runtime import device as devices
+from cupyflash.runtime import tma, workspace
+from cupyflash.validation import BFLOAT16
 
 
 class StandIn:
-    """A CuPy array's face, as launch_backward reads it: shape, strides, dtype, an address of its
+    """A CuPy array's face, as plan_backward reads it: shape, strides, dtype, an address of its
     own, device 0."""
 
     _next_address = 1 << 40
@@ -61,41 +67,37 @@ def device(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Device", lambda device_id: contextlib.nullcontext())
     stream = types.SimpleNamespace(ptr=7, is_capturing=lambda: state.capturing)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: stream)
-    monkeypatch.setattr(_attention, "_compute_capability", lambda device_id: inst.WGMMA_COMPUTE_CAPABILITY)
-    monkeypatch.setattr(_attention, "large_shared_memory", lambda device_id: True)
-    monkeypatch.setattr(_attention, "_sm_count", lambda device_id: 132)
-    monkeypatch.setattr(_attention, "_launch", lambda kernel, device_id, grid, params, *more:
-                        state.launches.append((kernel, grid, more, params)))
-    monkeypatch.setattr(_tma, "bwd_tensor_maps", lambda *args, **kwargs: numpy.ones(3 * _tma.TENSOR_MAP_BYTES, numpy.uint8))
-    monkeypatch.setattr(_tma, "kv_tensor_maps", lambda *args, **kwargs: numpy.ones(2 * _tma.TENSOR_MAP_BYTES, numpy.uint8))
+    monkeypatch.setattr(devices, "info", lambda device_id: devices.described(90))
+    monkeypatch.setattr(tma, "bwd_tensor_maps", lambda *args, **kwargs: numpy.ones(3 * tma.TENSOR_MAP_BYTES, numpy.uint8))
+    monkeypatch.setattr(tma, "kv_tensor_maps", lambda *args, **kwargs: numpy.ones(2 * tma.TENSOR_MAP_BYTES, numpy.uint8))
     monkeypatch.setattr(BlockMask, "device_arrays", lambda self, device_id: tuple(
         StandIn(x.shape, x.dtype) for x in (self.kv_count, self.kv_index, self.q_count, self.q_index, self.key_order)))
-    monkeypatch.setattr(_attention, "_ZEROED", {})
-    monkeypatch.setattr(_attention, "_CAPTURED", [])
-    for name, value in (("WGMMA_BACKWARD_BY_DEFAULT", True), ("TMA_BACKWARD_BY_DEFAULT", True),
-                        ("WS_BACKWARD_BY_DEFAULT", None), ("WS_DQ_RING_SLABS", 0)):
-        monkeypatch.setattr(inst, name, value)
+    monkeypatch.setattr(workspace, "ZEROED", {})
+    monkeypatch.setattr(workspace, "CAPTURED", [])
     return state
 
 
-def backward(rng, head_dim, density=None, seqlen=4096, deterministic=False, heads=2, mask=None):
-    """Queues one bfloat16 backward (batch 1, `heads` heads) with a random block mask of `density`
-    (None: unmasked), or with `mask`."""
+def backward(state, rng, head_dim, density=None, seqlen=4096, deterministic=False, heads=2, mask=None):
+    """Plans one bfloat16 backward (batch 1, `heads` heads) with a random block mask of `density`
+    (None: unmasked), or with `mask`, under the default policy; its launches go to state.launches as
+    (kernel, grid, further arguments, params)."""
     shape = (1, seqlen, heads, head_dim)
     q, k, v, out, dout = (numpy.empty(shape, BFLOAT16) for _ in range(5))
     lse = numpy.empty((1, heads, seqlen), numpy.float32)
-    p = _validation.check_backward_args(dout, q, k, v, out, lse, causal=False, scale=None, deterministic=deterministic)
+    p = validation.check_backward_args(dout, q, k, v, out, lse, causal=False, scale=None, deterministic=deterministic)
     if density is not None:
         n = -(-seqlen // 128)
         mask = BlockMask(rng.random((heads, n, n)) < density)
     if mask is not None:
-        p = _validation.check_block_mask(mask, p)
+        p = common.check_block_mask(mask, p)
     arrays = [StandIn(x.shape, x.dtype) for x in (dout, q, k, v, out, lse, q, k, v)]
-    _attention.launch_backward(*arrays, p)
+    made = plan.plan_backward(p, *arrays, policy=Policy())
+    state.launches += [(x.kernel, x.grid, x.args[1:], x.args[0]) for x in made.launches]
+    return p
 
 
 def steps(state):
-    names = {inst.TcBwdDkdvKernel: "dK/dV", inst.TcBwdDqKernel: "dQ"}
+    names = {TcBwdDkdvKernel: "dK/dV", TcBwdDqKernel: "dQ"}
     return [getattr(kernel, "step", None) or next(name for kind, name in names.items() if isinstance(kernel, kind))
             for kernel, *_ in state.launches]
 
@@ -105,7 +107,7 @@ def field(params, name: str) -> int:
 
 
 def dkdv_launch(state):
-    (launch,) = [x for x in state.launches if isinstance(x[0], inst.TcBwdDkdvKernel)]
+    (launch,) = [x for x in state.launches if isinstance(x[0], TcBwdDkdvKernel)]
     return launch
 
 
@@ -113,34 +115,35 @@ def dkdv_launch(state):
 def test_warp_specialised_launch_takes_its_arguments(rng, device, density, ring):
     """A d64 block-sparse backward: preprocess, then the warp-specialised dK/dV kernel with its
     seven further arguments (Q/dO/dQ maps, K/V maps, positions, items, counters, ring slots, item
-    order: none for a random mask); with the ring (8 query blocks a key block) no conversion
-    follows and the preprocess clears nothing, without it (1.6) the conversion rounds the whole
-    workspace."""
-    backward(rng, 64, density)
+    order: none with the ring, the mask's otherwise, none unless a column is 6x the median or
+    more); with the ring (8 query blocks a key block) no conversion follows and the preprocess
+    clears nothing, without it (1.6) the conversion rounds the whole workspace."""
+    p = backward(device, rng, 64, density)
     kernel, grid, more, params = dkdv_launch(device)
     assert kernel.ws and len(more) == 7
     positions, items, counters, slots, order = (int(x) for x in more[2:])
-    assert order == 0
+    expected = None if ring else p.block_mask.dkdv_item_order(1, 2, 1, 1, 1, 0)
+    assert order == (0 if expected is None else expected.data.ptr)
     assert (positions, items, grid) == (32, 64, (64, 1, 1))
-    assert counters == _attention._ZEROED[("counters", 0, 7)].data.ptr
+    assert counters == workspace.ZEROED[("counters", 0, 7)].data.ptr
     preprocess = device.launches[0][3]
     if ring:
         assert steps(device) == ["preprocess", "dK/dV"] and slots == 2  # every slab its own slot
         assert field(preprocess, "dq_accum") == 0
-        assert field(params, "dq_accum") == _attention._ZEROED[("dq ring", 0, 7)].data.ptr
+        assert field(params, "dq_accum") == workspace.ZEROED[("dq ring", 0, 7)].data.ptr
     else:
         assert steps(device) == ["preprocess", "dK/dV", "convert_dq"] and slots == 0
         assert field(preprocess, "dq_accum") == field(params, "dq_accum") != 0
-        assert ("dq ring", 0, 7) not in _attention._ZEROED
+        assert ("dq ring", 0, 7) not in workspace.ZEROED
 
 
 def test_the_kept_ring_is_not_cleared_again(rng, device):
     """The stream's ring is made (zeroed) once; later calls of the same or a smaller size reuse it."""
-    backward(rng, 64, 0.25)
+    backward(device, rng, 64, 0.25)
     made = len(device.zeroed)
     first = field(dkdv_launch(device)[3], "dq_accum")
     device.launches.clear()
-    backward(rng, 64, 0.25, heads=1)
+    backward(device, rng, 64, 0.25, heads=1)
     assert len(device.zeroed) == made and field(dkdv_launch(device)[3], "dq_accum") == first
 
 
@@ -149,7 +152,7 @@ def test_other_builds_take_the_workspace(rng, device, head_dim, density, determi
     """d128 (warp-specialised, no ring), unmasked d64 (the one-block TMA build) and deterministic
     mode (the one-block build without TMA and the dQ kernel): each dK/dV launch with the arguments
     of its own build (the one-block builds: one map set), and dQ from the workspace or the dQ kernel."""
-    backward(rng, head_dim, density, deterministic=deterministic)
+    backward(device, rng, head_dim, density, deterministic=deterministic)
     kernel, _, more, _ = dkdv_launch(device)
     assert len(more) == (7 if kernel.ws else 1)
     assert kernel.ws == (head_dim == 128) and kernel.tma == (not deterministic)
@@ -165,7 +168,7 @@ def test_a_column_far_longer_than_the_rest_is_claimed_first(rng, device, head_di
     starts with the global columns' key tiles; d64 takes the ring there (10.7 query blocks a key
     block on average) and no order, since its slabs must complete in turn."""
     mask = BlockMask.bigbird(16384, 16384, window=3, n_global=1, n_random=2, seed=0)
-    backward(rng, head_dim, seqlen=16384, mask=mask)
+    backward(device, rng, head_dim, seqlen=16384, mask=mask)
     kernel, grid, more, params = dkdv_launch(device)
     slots, order = int(more[-2]), int(more[-1])
     if head_dim == 64:
@@ -184,8 +187,8 @@ def test_a_captured_backward_keeps_its_buffers(rng, device):
     """Under graph capture the row statistics, the ring and the counters are the call's own, kept
     for the process's life, and the stream's kept buffers are not touched."""
     device.capturing = True
-    backward(rng, 64, 0.25)
+    backward(device, rng, 64, 0.25)
     _, _, more, params = dkdv_launch(device)
-    kept = {x.data.ptr for x in _attention._CAPTURED}
-    assert not _attention._ZEROED
+    kept = {x.data.ptr for x in workspace.CAPTURED}
+    assert not workspace.ZEROED
     assert {field(params, "dq_accum"), field(params, "lse_log2"), field(params, "d"), int(more[4])} <= kept

@@ -23,11 +23,14 @@ def wheel(tmp_path_factory):
 
 def test_wheel_contains_every_kernel_source(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = sorted(p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".cu", ".cuh"))
+    sources = sorted(str(p.relative_to(ROOT / "kernels")) for p in (ROOT / "kernels").rglob("*.cu*"))
     assert sources, "no kernel sources in the tree"
     for name in sources:
         assert f"cupyflash/kernels/{name}" in names, f"{name} missing from {wheel.name}"
-    assert "cupyflash/__init__.py" in names and "cupyflash/reference.py" in names
+    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "cupyflash").rglob("__init__.py")}
+    for package in packages:
+        assert f"{package}/__init__.py" in names, f"{package} missing from {wheel.name}"
+    assert "cupyflash/reference.py" in names and any(n.endswith("LICENSE") for n in names)
 
 
 def test_installed_wheel_compiles_its_kernels_from_package_data(wheel, tmp_path):
@@ -39,10 +42,10 @@ def test_installed_wheel_compiles_its_kernels_from_package_data(wheel, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     script = (
         "import pathlib, numpy, cupyflash\n"
-        "from cupyflash import _compile\n"
+        "from cupyflash.runtime import compiler\n"
         f"assert pathlib.Path(cupyflash.__file__).is_relative_to({str(target)!r}), cupyflash.__file__\n"
-        f"assert _compile.kernels_dir().is_relative_to({str(target)!r}), _compile.kernels_dir()\n"
-        "assert 'flash_fwd_kernel' in _compile.kernel_source()\n"
+        f"assert compiler.kernels_dir().is_relative_to({str(target)!r}), compiler.kernels_dir()\n"
+        "assert 'flash_fwd_kernel' in compiler.kernel_source()\n"
         "q = numpy.random.default_rng().standard_normal((1, 9, 2, 8)).astype(numpy.float32)\n"
         "assert cupyflash.attention(q, q, q).shape == q.shape\n"
         "print('ok')\n"

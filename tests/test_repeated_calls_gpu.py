@@ -1,4 +1,4 @@
-"""Calls that repeat a checked problem (`_attention._checked_problem`): the second and later calls
+"""Calls that repeat a checked problem (api/common.py's cache): the second and later calls
 with the same shapes, strides, dtypes and options skip the checks and reuse the parameter struct
 and tensor maps the first one built. Each must still read its own arrays and write its own
 outputs, whichever kernel serves it (marker `gpu`)."""
@@ -9,7 +9,8 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, _attention
+from cupyflash import BlockMask
+from cupyflash.api import common
 from shapes import random_qkv
 from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference
@@ -28,7 +29,7 @@ def checks(monkeypatch):
             counted[key[0]] += 1
             super().__setitem__(key, value)
 
-    monkeypatch.setattr(_attention, "_CHECKED", Counting())
+    monkeypatch.setattr(common, "CHECKED", Counting())
     return counted
 
 
@@ -80,7 +81,7 @@ def test_block_sparse_repeated_with_new_arrays_and_masks(rng, nan_outputs, check
         grads = cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
         assert_gradients_match_reference(dout, q, k, v, grads, dtype, False, block_mask=mask)
     assert checks == {"forward": 0, "backward": 0}  # kept by the masks: one forward, one backward each
-    assert [sorted(key[0] for key in m._checked_problems) for m in masks] == [["backward", "forward"]] * 2
+    assert [sorted(key[0] for key in m.checked_problems) for m in masks] == [["backward", "forward"]] * 2
 
 
 def test_dropout_seeds_change_between_repeated_calls(rng, checks):

@@ -7,7 +7,8 @@ import pytest
 import scipy.special
 
 import cupyflash
-from cupyflash import BlockMask, _instantiations, _validation, reference
+from cupyflash import BlockMask, catalog, validation, reference
+from cupyflash.catalog import tiles
 
 # (softcap, whether ALiBi slopes are given)
 MODS = [(2.5, False), (None, True), (1.5, True)]
@@ -184,31 +185,35 @@ def test_bad_alibi_slopes_are_rejected_and_inputs_untouched(rng, slopes, error, 
 
 
 def test_slopes_as_a_list_and_per_batch_are_accepted():
-    p = _validation.AttentionProblem(2, 4, 4, 3, 8, "float32", False, 0.5, False)
-    assert _validation.check_alibi_slopes(numpy.ones(3), p).alibi_slopes.shape == (1, 3)
-    assert _validation.check_alibi_slopes(numpy.ones((2, 3)), p).alibi_slopes.shape == (2, 3)
-    assert _validation.check_alibi_slopes(numpy.ones((1, 3)), p).score_mod
-    assert _validation.check_softcap(0) is None and _validation.check_softcap(2) == 2.0
+    p = validation.AttentionProblem(2, 4, 4, 3, 8, "float32", False, 0.5, False)
+    assert validation.check_alibi_slopes(numpy.ones(3), p).alibi_slopes.shape == (1, 3)
+    assert validation.check_alibi_slopes(numpy.ones((2, 3)), p).alibi_slopes.shape == (2, 3)
+    assert validation.check_alibi_slopes(numpy.ones((1, 3)), p).score_mod
+    assert validation.check_softcap(0) is None and validation.check_softcap(2) == 2.0
 
 
 def test_score_mod_kernels_are_listed_for_every_dtype_head_dim_and_mask():
-    everything = set(_instantiations.all_kernels())
-    for dtype_name in _instantiations.DTYPE_NAMES:
+    everything = set(catalog.all_kernels())
+    for dtype_name in tiles.DTYPE_NAMES:
+        families = ["scalar"] + (["sm80", "sm90"] if dtype_name in tiles.TENSOR_CORE_DTYPES else [])
         for d in (1, 40, 64, 111, 128, 200, 256):
             for causal in (False, True):
                 for sparse in (False, True):
-                    fwd = _instantiations.fwd_kernel(dtype_name, d, causal, block_sparse=sparse, score_mod=True)
-                    assert fwd.local and fwd.score_mod and fwd in everything
-                    assert fwd.name_expression.endswith(", true>")
-                    pair = _instantiations.bwd_kernels(dtype_name, d, causal, block_sparse=sparse, score_mod=True)
-                    assert all(k in everything and k.local and k.score_mod for k in pair)
-                    if dtype_name in _instantiations.TENSOR_CORE_DTYPES:
-                        assert _instantiations.fwd_kernel(dtype_name, d, causal, True, sparse, True) in everything
+                    v = catalog.Variant(causal, sparse, score_mod=True)
+                    for family in families:
+                        if family == "sm90" and tiles.padded_head_dim(d) not in tiles.WGMMA_HEAD_DIMS:
+                            continue
+                        fwd = catalog.forward_kernel(family, dtype_name, d, v)
+                        assert fwd.local and fwd.score_mod and fwd in everything
+                        assert fwd.name_expression.endswith(", true>")
                         for large in (False, True):
-                            pair = _instantiations.bwd_kernels(dtype_name, d, causal, True, large, sparse, True)
-                            assert all(k in everything for k in pair)
+                            dkdv = catalog.dkdv_kernel(family, dtype_name, d, v, large and family == "sm80")
+                            assert dkdv in everything and dkdv.local and dkdv.score_mod
+                        dq = catalog.dq_kernel(family != "scalar", dtype_name, d, v)
+                        assert dq in everything and dq.local and dq.score_mod
     # The unmodified kernels keep their two-flag names (their compiled code is unchanged).
-    assert _instantiations.fwd_kernel("float16", 64, True, True).name_expression.endswith(", true, false>")
+    local = catalog.Variant(local=True)
+    assert catalog.forward_kernel("sm80", "float16", 64, local).name_expression.endswith(", true, false>")
 
 
 class _Shaped:
@@ -224,7 +229,7 @@ def test_sequences_past_int32_distances_are_rejected():
     """ALiBi's distance and the softcap kernels' band are int32: seqlen_q + seqlen_k must fit."""
     q, k = _Shaped((1, 2**30, 1, 8)), _Shaped((1, 2**30, 1, 8))
     with pytest.raises(ValueError, match="with causal, a window or a softcap, seqlen_q"):
-        _validation.check_attention_args(q, k, k, causal=False, scale=None, return_lse=False, softcap=5.0)
-    p = _validation.check_attention_args(q, k, k, causal=False, scale=None, return_lse=False)
+        validation.check_attention_args(q, k, k, causal=False, scale=None, return_lse=False, softcap=5.0)
+    p = validation.check_attention_args(q, k, k, causal=False, scale=None, return_lse=False)
     with pytest.raises(ValueError, match="with alibi_slopes, seqlen_q"):
-        _validation.check_alibi_slopes(numpy.ones(1), p)
+        validation.check_alibi_slopes(numpy.ones(1), p)

@@ -6,7 +6,7 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, _attention
+from cupyflash import BlockMask
 from shapes import DTYPES, bits, numpy_dtype
 from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference
@@ -85,9 +85,8 @@ def test_with_window_and_block_mask(rng, nan_outputs, dtype, softcap, alibi):
     run(rng, dtype, (1, 300, 300, 4, 96), 4, softcap, alibi, window=(30, 40))
 
 
-def test_scalar_path(rng, nan_outputs, monkeypatch):
+def test_scalar_path(rng, nan_outputs, scalar_kernels):
     """16-bit problems on the scalar kernels (what GPUs older than sm_80 run)."""
-    monkeypatch.setattr(_attention, "tensor_cores_for", lambda p, device_id: False)
     run(rng, "float16", (1, 211, 300, 4, 64), 2, 2.0, "heads", causal=True)
     run(rng, "bfloat16", (2, 130, 97, 3, 128), 1, 4.0, "batch", window=(10, 20), deterministic=True)
 

@@ -3,35 +3,43 @@ and both tile-load paths (cp.async and element-wise) against the float64 referen
 scalar 16-bit kernels kept as the baseline. The awkward grids of test_attention_gpu.py and
 test_backward_gpu.py run the tensor-core path too for float16/bfloat16. Marker `gpu`."""
 
+import dataclasses
+
 import numpy
 import pytest
 
 import cupyflash
-from cupyflash import _attention, _instantiations as inst, _validation
+from cupyflash import validation
+from cupyflash.catalog import tiles
+from cupyflash.catalog.specs import BwdRowKernel
+from cupyflash.dispatch.policy import current
+from cupyflash.runtime import device as devices
+from cupyflash.runtime import launch
+from families import MMA_SYNC, SCALAR, TENSOR_CORES, backward, forward
 from shapes import numpy_dtype, random_qkv
 from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference
 
 pytestmark = pytest.mark.gpu
 
-TC_DTYPES = list(inst.TENSOR_CORE_DTYPES)
+TC_DTYPES = list(tiles.TENSOR_CORE_DTYPES)
 
 
 @pytest.fixture
 def launched(monkeypatch):
     """The kernels attention() and attention_backward() launch, in order."""
     kernels = []
-    real = _attention._launch
+    real = launch.launch
 
     def recording(kernel, device_id, grid, params, *more):
         kernels.append(kernel)
         return real(kernel, device_id, grid, params, *more)
 
-    monkeypatch.setattr(_attention, "_launch", recording)
+    monkeypatch.setattr(launch, "launch", recording)
     return kernels
 
 
-@pytest.mark.parametrize("dtype", inst.DTYPE_NAMES)
+@pytest.mark.parametrize("dtype", tiles.DTYPE_NAMES)
 def test_16_bit_dtypes_take_the_tensor_core_kernels(rng, launched, dtype):
     import cupy
 
@@ -39,40 +47,40 @@ def test_16_bit_dtypes_take_the_tensor_core_kernels(rng, launched, dtype):
     out, lse = cupyflash.attention(q, k, v, return_lse=True)
     cupyflash.attention_backward(out, q, k, v, out, lse)
     cupyflash.attention_backward(out, q, k, v, out, lse, deterministic=True)
-    tiled = [type(kn).__name__ for kn in launched if not isinstance(kn, inst.BwdRowKernel)]
+    tiled = [type(kn).__name__ for kn in launched if not isinstance(kn, BwdRowKernel)]
     if dtype in TC_DTYPES:
         # The Hopper kernels on sm_90 unless switched off (CUPYFLASH_HOPPER_FORWARD=0,
         # CUPYFLASH_HOPPER_BACKWARD=0); the deterministic dQ kernel is mma.sync everywhere.
         sm_90 = cupy.cuda.Device().compute_capability == "90"
-        forward = "WgmmaFwdKernel" if inst.WGMMA_FORWARD_BY_DEFAULT and sm_90 else "TcFwdKernel"
-        dkdv = "WgmmaBwdDkdvKernel" if inst.WGMMA_BACKWARD_BY_DEFAULT and sm_90 else "TcBwdDkdvKernel"
-        assert tiled == [forward, dkdv, dkdv, "TcBwdDqKernel"]
+        fwd = "WgmmaFwdKernel" if current().hopper_forward and sm_90 else "TcFwdKernel"
+        dkdv = "WgmmaBwdDkdvKernel" if current().hopper_backward and sm_90 else "TcBwdDkdvKernel"
+        assert tiled == [fwd, dkdv, dkdv, "TcBwdDqKernel"]
     else:  # float32 / float64 stay exact: never TF32 tensor cores
         assert tiled == ["FwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
 
 
-def _forward_backward(q, k, v, dout, causal, deterministic, tensor_cores):
-    """attention + attention_backward through the launchers, choosing the kernel family."""
+def _forward_backward(q, k, v, dout, causal, deterministic, families):
+    """attention + attention_backward through the planner, on these kernel families."""
     import cupy
 
-    p = _validation.check_attention_args(q, k, v, causal=causal, scale=None, return_lse=True)
+    p = validation.check_attention_args(q, k, v, causal=causal, scale=None, return_lse=True)
     out = cupy.full(q.shape, numpy.nan, dtype=numpy.float32).astype(q.dtype)
     lse = cupy.full((p.batch, p.heads, p.seqlen_q), numpy.nan, dtype=numpy.float32)
-    _attention.launch_forward(q, k, v, out, lse, p, tensor_cores=tensor_cores)
-    pb = _validation.check_backward_args(dout, q, k, v, out, lse, causal=causal, scale=None, deterministic=deterministic)
+    forward(p, q, k, v, out, lse, families)
+    pb = validation.check_backward_args(dout, q, k, v, out, lse, causal=causal, scale=None, deterministic=deterministic)
     grads = [cupy.full(x.shape, numpy.nan, dtype=numpy.float32).astype(x.dtype) for x in (q, k, v)]
-    _attention.launch_backward(dout, q, k, v, out, lse, *grads, pb, tensor_cores=tensor_cores)
+    backward(pb, dout, q, k, v, out, lse, *grads, families=families)
     return out, lse, grads
 
 
-def check_forward_backward(rng, dtype, shape, causal, deterministic, tensor_cores):
+def check_forward_backward(rng, dtype, shape, causal, deterministic, families):
     """Random q, k, v, dout of shape (batch, seqlen_q, seqlen_k, heads, head_dim) through the
     chosen kernel family, checked against the float64 reference under the tolerance rule."""
     import cupy
 
     q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, *shape))
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
-    out, lse, grads = _forward_backward(q, k, v, dout, causal, deterministic, tensor_cores)
+    out, lse, grads = _forward_backward(q, k, v, dout, causal, deterministic, families)
     assert_matches_reference(q, k, v, out, lse, dtype, causal)
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal)
 
@@ -83,11 +91,11 @@ def check_forward_backward(rng, dtype, shape, causal, deterministic, tensor_core
 @pytest.mark.parametrize("head_dim", [13, 32, 61, 96, 150, 192, 221, 256])
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_every_padded_head_dim(rng, dtype, head_dim, deterministic):
-    check_forward_backward(rng, dtype, (2, 150, 190, 2, head_dim), True, deterministic, tensor_cores=True)
+    check_forward_backward(rng, dtype, (2, 150, 190, 2, head_dim), True, deterministic, TENSOR_CORES)
 
 
-# The dK/dV traits table has tiles for an A100's shared memory and larger ones for an H100's
-# (double-buffered dO; 64 queries per step above d192). Both run here, whichever this GPU picks.
+# The mma.sync dK/dV traits table has tiles for an A100's shared memory and larger ones for an
+# H100's (double-buffered dO; 64 queries per step above d192). Both run here, whichever this GPU picks.
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("large_smem", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -95,10 +103,12 @@ def test_every_padded_head_dim(rng, dtype, head_dim, deterministic):
 def test_dkdv_tiles_for_both_shared_memory_sizes(rng, monkeypatch, dtype, head_dim, large_smem, causal):
     import cupy
 
-    if large_smem and cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"] < inst.SMEM_H100:
+    info = devices.info(cupy.cuda.Device().id)
+    if large_smem and info.smem_per_block < tiles.SMEM_H100:
         pytest.skip("this GPU has less shared memory per block than an H100")
-    monkeypatch.setattr(_attention, "large_shared_memory", lambda device_id: large_smem)
-    check_forward_backward(rng, dtype, (2, 300, 333, 2, head_dim), causal, False, tensor_cores=True)
+    smem = info.smem_per_block if large_smem else tiles.SMEM_A100
+    monkeypatch.setattr(devices, "info", lambda device_id: dataclasses.replace(info, smem_per_block=smem))
+    check_forward_backward(rng, dtype, (2, 300, 333, 2, head_dim), causal, False, MMA_SYNC)
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
@@ -111,7 +121,7 @@ def test_misaligned_base_pointers_take_the_element_wise_loader(rng, dtype):
     q, k, v = (buf[i, 0, 1:].reshape(1, 300, 2, 64) for i in range(3))
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
     assert q.data.ptr % 16 != 0
-    out, lse, grads = _forward_backward(q, k, v, dout, False, False, tensor_cores=True)
+    out, lse, grads = _forward_backward(q, k, v, dout, False, False, TENSOR_CORES)
     assert_matches_reference(q, k, v, out, lse, dtype, False)
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, False)
 
@@ -121,10 +131,10 @@ def test_misaligned_base_pointers_take_the_element_wise_loader(rng, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_scalar_kernels_still_serve_16_bit(rng, dtype, causal):
-    check_forward_backward(rng, dtype, (2, 113, 203, 3, 111), causal, False, tensor_cores=False)
+    check_forward_backward(rng, dtype, (2, 113, 203, 3, 111), causal, False, SCALAR)
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_long_sequence_against_the_reference(rng, dtype):
     """Many key blocks and the causal diagonal crossing tiles at a realistic length."""
-    check_forward_backward(rng, dtype, (1, 2049, 2049, 1, 128), True, False, tensor_cores=True)
+    check_forward_backward(rng, dtype, (1, 2049, 2049, 1, 128), True, False, TENSOR_CORES)

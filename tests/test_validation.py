@@ -4,7 +4,8 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import _attention
+from cupyflash.cpu import fallback
+from cupyflash.dispatch import plan
 from shapes import random_qkv
 
 
@@ -33,8 +34,9 @@ def no_launch(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("device work started before validation finished")
 
-    for name in ("launch_forward", "_forward_cpu", "launch_backward", "_backward_cpu"):
-        monkeypatch.setattr(_attention, name, fail)
+    for module, name in ((plan, "plan_forward"), (plan, "plan_backward"), (fallback, "forward"),
+                         (fallback, "backward"), (fallback, "decode")):
+        monkeypatch.setattr(module, name, fail)
 
 
 def check_raises(exc, match, q, k, v, **kwargs):
@@ -108,11 +110,11 @@ def test_head_dim_axis_not_contiguous(rng):
 
 
 def test_other_strides_are_accepted_by_validation(rng):
-    from cupyflash import _validation
+    from cupyflash import validation
 
     q = rng.standard_normal((2, 3, 5, 8)).astype(numpy.float32).transpose(0, 2, 1, 3)
     kv = rng.standard_normal((2, 7, 2, 3, 8)).astype(numpy.float32)
-    p = _validation.check_attention_args(q, kv[:, :, 0], kv[:, :, 1], causal=True, scale=None, return_lse=False)
+    p = validation.check_attention_args(q, kv[:, :, 0], kv[:, :, 1], causal=True, scale=None, return_lse=False)
     assert (p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim) == (2, 5, 7, 3, 8)
 
 

@@ -7,7 +7,8 @@ import pytest
 import scipy.special
 
 import cupyflash
-from cupyflash import BlockMask, _validation, reference
+from cupyflash import BlockMask, validation, reference
+from cupyflash.api import common
 from shapes import random_qkv
 
 # (left, right) windows: None is unbounded; one-sided, two-sided, a band of the diagonal only,
@@ -131,7 +132,7 @@ def test_tile_walks_visit_exactly_the_tiles_with_a_visible_key(seqlen_q, seqlen_
     every tile with a visible key, for every query tile and key tile."""
     q = numpy.zeros((1, seqlen_q, 1, 4))
     kv = numpy.zeros((1, seqlen_k, 1, 4))
-    p = _validation.check_attention_args(q, kv, kv, causal=False, scale=None, return_lse=False, window=window)
+    p = validation.check_attention_args(q, kv, kv, causal=False, scale=None, return_lse=False, window=window)
     visible = ~reference.band_mask(seqlen_q, seqlen_k, *window)
     for block in (16, 64):
         for row0 in range(0, seqlen_q, block):
@@ -181,20 +182,20 @@ def test_bad_window(rng, window, error, message):
 
 
 def test_window_spellings():
-    assert _validation.check_window(None) is None
-    assert _validation.check_window((None, None)) is None
-    assert _validation.check_window((-1, -1)) is None
-    assert _validation.check_window([3, -1]) == (3, None)
-    assert _validation.check_window((numpy.int64(2), 0)) == (2, 0)
+    assert validation.check_window(None) is None
+    assert validation.check_window((None, None)) is None
+    assert validation.check_window((-1, -1)) is None
+    assert validation.check_window([3, -1]) == (3, None)
+    assert validation.check_window((numpy.int64(2), 0)) == (2, 0)
 
 
 def test_problem_band_folds_causal_and_clamps_for_the_kernels(rng):
     q, k, v = random_qkv(rng, "float32", 1, 10, 30, 2, 8)
-    p = _validation.check_attention_args(q, k, v, causal=True, scale=None, return_lse=False, window=(5, 9))
+    p = validation.check_attention_args(q, k, v, causal=True, scale=None, return_lse=False, window=(5, 9))
     assert p.local and p.band == (5, 0) and p.kernel_window() == (5, 0)
-    p = _validation.check_attention_args(q, k, v, causal=False, scale=None, return_lse=False, window=(None, 500))
+    p = validation.check_attention_args(q, k, v, causal=False, scale=None, return_lse=False, window=(None, 500))
     assert p.local and p.band == (None, 500) and p.kernel_window() == (30, 10)
-    p = _validation.check_attention_args(q, k, v, causal=False, scale=None, return_lse=False, window=(None, None))
+    p = validation.check_attention_args(q, k, v, causal=False, scale=None, return_lse=False, window=(None, None))
     assert not p.local and p.window is None
 
 
@@ -216,9 +217,9 @@ def test_gqa_head_counts(rng, heads_k, heads_v, message):
 
 def test_gqa_group_and_block_mask_heads(rng):
     q, k, v = random_gqa(rng, 1, 256, 256, 6, 2, 8)
-    p = _validation.check_attention_args(q, k, v, causal=False, scale=None, return_lse=False)
+    p = validation.check_attention_args(q, k, v, causal=False, scale=None, return_lse=False)
     assert (p.heads, p.heads_kv, p.kv_group) == (6, 2, 3)
     # A block mask's head axis counts query heads.
-    _validation.check_block_mask(BlockMask(numpy.ones((6, 2, 2), bool)), p)
+    common.check_block_mask(BlockMask(numpy.ones((6, 2, 2), bool)), p)
     with pytest.raises(ValueError, match=r"^block_mask's batch and head axes must be 1 or the inputs'"):
-        _validation.check_block_mask(BlockMask(numpy.ones((2, 2, 2), bool)), p)
+        common.check_block_mask(BlockMask(numpy.ones((2, 2, 2), bool)), p)

@@ -6,7 +6,8 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, _attention, _validation, reference
+from cupyflash import BlockMask, validation, reference
+from cupyflash.cpu import reference as cpu_reference
 from shapes import DTYPES, bits, numpy_dtype
 from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference
@@ -136,9 +137,8 @@ def test_gqa_equals_attention_on_repeated_heads(rng, dtype):
         assert float(abs(g.astype(numpy.float64) - summed).max()) <= relative * float(abs(g_rep).max())
 
 
-def test_scalar_path_takes_gqa_and_windows(rng, nan_outputs, monkeypatch):
+def test_scalar_path_takes_gqa_and_windows(rng, nan_outputs, scalar_kernels):
     """16-bit problems on the scalar kernels (what GPUs older than sm_80 run)."""
-    monkeypatch.setattr(_attention, "tensor_cores_for", lambda p, device_id: False)
     run(rng, "float16", (1, 211, 300, 4, 64), 2, causal=True, window=(40, None))
     run(rng, "bfloat16", (2, 130, 97, 3, 128), 1, window=(10, 20), deterministic=True)
 
@@ -154,7 +154,7 @@ def test_torch_adapter(rng):
     out.float().square().sum().backward()
     assert k.grad.shape == k.shape and v.grad.shape == v.shape
     dout = (2 * out.float()).to(torch.bfloat16)
-    as_np = [reference._as_float64(x.detach().float().cpu().numpy()) for x in (dout, q, k, v)]
+    as_np = [cpu_reference.as_float64(x.detach().float().cpu().numpy()) for x in (dout, q, k, v)]
     grads = [x.grad.float().cpu().numpy() for x in (q, k, v)]
     assert_gradients_match_reference(*as_np, grads, "bfloat16", True, window=(50, None))
 

@@ -8,7 +8,8 @@ import pytest
 import scipy.special
 
 import cupyflash
-from cupyflash import _instantiations, reference
+from cupyflash import catalog, reference
+from cupyflash.catalog import tiles
 
 LENGTHS = ([3, 0, 17, 1, 9], [5, 4, 17, 0, 12])
 
@@ -150,14 +151,16 @@ def test_bad_seqlens_k_are_rejected(rng, seqlens, error, match):
 def test_varlen_instantiations():
     """One varlen instantiation per (dtype, head dim class) and kernel, dense, with the score
     modifiers; a varlen problem picks it, and never a block-sparse one."""
-    varlen = [k for k in _instantiations.all_kernels() if getattr(k, "varlen", False)]
+    varlen = [k for k in catalog.all_kernels() if getattr(k, "varlen", False)]
     assert all(k.local and k.score_mod and not k.block_sparse for k in varlen)
-    for dtype in _instantiations.DTYPE_NAMES:
-        for d in _instantiations.PADDED_HEAD_DIMS:
-            assert _instantiations.fwd_kernel(dtype, d, False, varlen=True) in varlen
-            assert set(_instantiations.bwd_kernels(dtype, d, False, varlen=True)) <= set(varlen)
-    for d in _instantiations.PADDED_HEAD_DIMS:
-        for kernel in _instantiations.bwd_kernels("bfloat16", d, False, True, True, varlen=True):
-            assert kernel in varlen
+    v = catalog.Variant(varlen=True)
+    for dtype in tiles.DTYPE_NAMES:
+        for d in tiles.PADDED_HEAD_DIMS:
+            assert catalog.forward_kernel("scalar", dtype, d, v) in varlen
+            assert {catalog.dkdv_kernel("scalar", dtype, d, v), catalog.dq_kernel(False, dtype, d, v)} <= set(varlen)
+    for d in tiles.PADDED_HEAD_DIMS:
+        for large in (False, True):
+            assert catalog.dkdv_kernel("sm80", "bfloat16", d, v, large) in varlen
+        assert catalog.dq_kernel(True, "bfloat16", d, v) in varlen
     with pytest.raises(ValueError, match="no block-sparse"):
-        _instantiations.fwd_kernel("float32", 64, True, block_sparse=True, varlen=True)
+        catalog.forward_kernel("scalar", "float32", 64, catalog.Variant(True, True, varlen=True))

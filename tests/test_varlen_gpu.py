@@ -7,7 +7,6 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import _attention
 from shapes import DTYPES, HEAD_DIMS, numpy_dtype
 from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference, assert_workspace_poisoned
@@ -120,9 +119,8 @@ def test_strided_views_and_device_cu_seqlens(rng, nan_outputs):
     run_varlen(rng, "float16", AWKWARD_LENGTHS, 3, 3, 48, causal=True, strided=True, cu_on_gpu=True)
 
 
-def test_scalar_path(rng, nan_outputs, monkeypatch):
+def test_scalar_path(rng, nan_outputs, scalar_kernels):
     """16-bit varlen on the scalar kernels (what GPUs older than sm_80 run)."""
-    monkeypatch.setattr(_attention, "tensor_cores_for", lambda p, device_id: False)
     run_varlen(rng, "bfloat16", AWKWARD_LENGTHS, 2, 1, 64, causal=True, deterministic=True)
     run_varlen(rng, "float16", LONG_LENGTHS, 2, 2, 128, window=(50, 50), softcap=4.0)
 

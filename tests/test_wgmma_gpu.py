@@ -1,5 +1,5 @@
-"""The Hopper kernels (wgmma, sm_90a): the forward (kernels/flash_fwd_tc.cu with WgmmaFwdTraits) and
-the dK/dV kernel (kernels/flash_bwd_tc.cu with WgmmaBwdDkdvTraits) on an sm_90 GPU: that the
+"""The Hopper kernels (wgmma, sm_90a): the forward (kernels/sm90/fwd.cu, fwd_ws.cu) and the dK/dV
+kernel (kernels/sm90/bwd_dkdv.cu, bwd_dkdv_ws.cu) on an sm_90 GPU: that the
 problems they serve take them once they are switched on, and every variant they have (dense, causal,
 windows, GQA, block-sparse, softcap/ALiBi, dropout, variable-length) against the float64 reference
 under the tolerance rule, on awkward shapes, strided and misaligned inputs. Each test runs twice:
@@ -16,7 +16,17 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, _attention, _instantiations as inst
+from cupyflash import BlockMask
+from cupyflash.api import common
+from cupyflash.catalog import tiles
+from cupyflash.catalog.tensor_cores import (
+    TcBwdDkdvKernel, TcFwdKernel, WgmmaBwdDkdvKernel, WgmmaFwdKernel, WgmmaFwdWsKernel,
+)
+from cupyflash.dispatch.policy import current
+from cupyflash.runtime import device as devices
+from cupyflash.runtime import launch, workspace
+from families import TENSOR_CORES
+from families import forward as run_forward
 from shapes import numpy_dtype, random_qkv
 from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference
@@ -24,7 +34,7 @@ from test_tensor_cores_gpu import _forward_backward, check_forward_backward
 
 pytestmark = pytest.mark.gpu
 
-TC_DTYPES = list(inst.TENSOR_CORE_DTYPES)
+TC_DTYPES = list(tiles.TENSOR_CORE_DTYPES)
 
 
 class Launched(list):
@@ -36,40 +46,49 @@ class Launched(list):
 
 
 @pytest.fixture(params=["forward", "forward+backward"])
-def hopper(request, monkeypatch):
-    """The Hopper forward switched on, and the Hopper dK/dV kernel with it in the second run."""
+def hopper(request, monkeypatch, policy):
+    """The Hopper forward switched on, and the Hopper dK/dV kernel with it in the second run;
+    `hopper.policy` changes the policy further."""
     import cupy
 
-    if cupy.cuda.Device().compute_capability != str(inst.WGMMA_COMPUTE_CAPABILITY):
+    if cupy.cuda.Device().compute_capability != str(tiles.WGMMA_COMPUTE_CAPABILITY):
         pytest.skip("the Hopper kernels run on sm_90 devices only")
     launched = Launched(backward=request.param == "forward+backward")
-    monkeypatch.setattr(inst, "WGMMA_FORWARD_BY_DEFAULT", True)
-    monkeypatch.setattr(inst, "WGMMA_BACKWARD_BY_DEFAULT", launched.backward)
-    real = _attention._launch
+    launched.policy = policy
+    policy(hopper_forward=True, hopper_backward=launched.backward)
+    real = launch.launch
 
     def recording(kernel, device_id, grid, params, *more):
-        if "Fwd" in type(kernel).__name__ or isinstance(kernel, inst.TcBwdDkdvKernel):
+        if "Fwd" in type(kernel).__name__ or isinstance(kernel, TcBwdDkdvKernel):
             launched.append(kernel)
         return real(kernel, device_id, grid, params, *more)
 
-    monkeypatch.setattr(_attention, "_launch", recording)
+    monkeypatch.setattr(launch, "launch", recording)
     return launched
+
+
+def set_sm_count(monkeypatch, sm_count: int) -> None:
+    """The planner sees a device of `sm_count` SMs (the persistent kernels' grids shrink to it)."""
+    import cupy
+
+    info = dataclasses.replace(devices.info(cupy.cuda.Device().id), sm_count=sm_count)
+    monkeypatch.setattr(devices, "info", lambda device_id: info)
 
 
 def took_hopper(launched: Launched) -> bool:
     """Every forward was the Hopper one, and with the backward switched on every dK/dV kernel too
     (tests that run no backward launch none)."""
     forwards = [k for k in launched if "Fwd" in type(k).__name__]
-    dkdv = [k for k in launched if isinstance(k, inst.TcBwdDkdvKernel)]
-    hopper_dkdv = all(isinstance(k, inst.WgmmaBwdDkdvKernel) == launched.backward for k in dkdv)
-    hopper_forwards = all(isinstance(k, (inst.WgmmaFwdKernel, inst.WgmmaFwdWsKernel)) for k in forwards)
+    dkdv = [k for k in launched if isinstance(k, TcBwdDkdvKernel)]
+    hopper_dkdv = all(isinstance(k, WgmmaBwdDkdvKernel) == launched.backward for k in dkdv)
+    hopper_forwards = all(isinstance(k, (WgmmaFwdKernel, WgmmaFwdWsKernel)) for k in forwards)
     return bool(forwards) and hopper_forwards and hopper_dkdv
 
 
 @pytest.mark.parametrize("head_dim,hopper_kernel", [(40, True), (64, True), (100, True), (128, True), (160, False)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_16_bit_head_dims_up_to_128_take_it(rng, hopper, dtype, head_dim, hopper_kernel):
-    check_forward_backward(rng, dtype, (1, 70, 90, 2, head_dim), False, False, tensor_cores=None)
+    check_forward_backward(rng, dtype, (1, 70, 90, 2, head_dim), False, False, None)
     assert took_hopper(hopper) == (hopper_kernel and dtype != "float32")
 
 
@@ -84,13 +103,13 @@ SHAPES = [(2, 1, 17, 3, 40), (2, 17, 1, 3, 59), (2, 113, 203, 3, 111), (1, 203, 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_awkward_shapes(rng, hopper, dtype, shape, causal, deterministic):
-    check_forward_backward(rng, dtype, shape, causal, deterministic, tensor_cores=None)
+    check_forward_backward(rng, dtype, shape, causal, deterministic, None)
     assert took_hopper(hopper)
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_long_sequence(rng, hopper, dtype):
-    check_forward_backward(rng, dtype, (1, 2049, 2049, 1, 128), True, False, tensor_cores=None)
+    check_forward_backward(rng, dtype, (1, 2049, 2049, 1, 128), True, False, None)
     assert took_hopper(hopper)
 
 
@@ -108,14 +127,14 @@ def test_strided_and_misaligned_inputs(rng, hopper, dtype):
     assert not q.flags.c_contiguous and qm.data.ptr % 16 != 0
     for args in ((q, k, v), (qm, km, vm)):
         dout = cupy.asarray(rng.standard_normal(args[0].shape).astype(dt))
-        out, lse, grads = _forward_backward(*args, dout, True, False, tensor_cores=True)
+        out, lse, grads = _forward_backward(*args, dout, True, False, TENSOR_CORES)
         assert_matches_reference(*args, out, lse, dtype, True)
         assert_gradients_match_reference(dout, *args, grads, dtype, True)
     assert took_hopper(hopper)
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_agrees_with_the_mma_sync_kernel(rng, hopper, dtype):
+def test_agrees_with_the_mma_sync_kernel(rng, policy, hopper, dtype):
     """Same inputs through both tensor-core forwards: they differ only by float32 summation order
     and where P_ij was rounded to 16 bits (their running maxima differ with their key tiles)."""
     import cupy
@@ -123,9 +142,9 @@ def test_agrees_with_the_mma_sync_kernel(rng, hopper, dtype):
     q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 515, 700, 2, 128))
     out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
     assert took_hopper(hopper)
-    inst.WGMMA_FORWARD_BY_DEFAULT = False  # monkeypatch restores it
+    hopper.policy(hopper_forward=False)
     out_mma, lse_mma = cupyflash.attention(q, k, v, causal=True, return_lse=True)
-    assert isinstance(hopper[-1], inst.TcFwdKernel) and len(hopper) == 2
+    assert isinstance(hopper[-1], TcFwdKernel) and len(hopper) == 2
     unit = 2.0**-11 if dtype == "float16" else 2.0**-8  # the 16-bit type's half ulp at 1
     out, out_mma = out.astype(cupy.float32), out_mma.astype(cupy.float32)
     assert float(cupy.abs(out - out_mma).max()) <= 8 * unit * max(1.0, float(cupy.abs(out_mma).max()))
@@ -242,13 +261,13 @@ TMA_VARIANTS = {"dense": (False, None, False), "block-sparse": (False, None, Tru
 @pytest.mark.parametrize("variant", list(TMA_VARIANTS))
 @pytest.mark.parametrize("shape", TMA_SHAPES)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_tma_build_equals_the_cp_async_build(rng, monkeypatch, nan_outputs, hopper, dtype, shape, variant):
+def test_tma_build_equals_the_cp_async_build(rng, policy, monkeypatch, nan_outputs, hopper, dtype, shape, variant):
     """Both builds bring the same tiles to shared memory (zeros past the keys and the head dim) and
     compute the same arithmetic on them: at the same tile, outputs equal bit for bit. The cp.async
     build the API takes with the TMA off (at d128 unmasked another tile than the TMA build's,
-    WGMMA_FWD_UNMASKED_TMA_TILES) is within the reference's tolerance."""
+    tiles.WGMMA_FWD_UNMASKED_TMA_TILES) is within the reference's tolerance."""
     causal, window, block_sparse = TMA_VARIANTS[variant]
-    monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", False)  # (test_warp_specialised_forward)
+    policy(ws_forward=False)  # (test_warp_specialised_forward)
     q, k, v = _tma_inputs(rng, dtype, shape)
     assert not k.flags.c_contiguous
     mask = None
@@ -264,12 +283,12 @@ def test_tma_build_equals_the_cp_async_build(rng, monkeypatch, nan_outputs, hopp
     tma = hopper[-1]
     assert tma.tma and tma.block_sparse == block_sparse and tma.local == (causal or window is not None)
     assert_matches_reference(q, k, v, out, lse, dtype, causal, block_mask=mask, window=window)
-    monkeypatch.setattr(inst, "TMA_FORWARD_BY_DEFAULT", False)
+    policy(tma=False)
     out_cp, lse_cp = forward()
-    assert not hopper[-1].tma and inst.without_tma(tma) == hopper[-1]
+    assert not hopper[-1].tma and dataclasses.replace(tma, tma=False) == hopper[-1]
     assert_matches_reference(q, k, v, out_cp, lse_cp, dtype, causal, block_mask=mask, window=window)
 
-    twin = dataclasses.replace(inst.without_tma(tma), tile_override=tma.tile)
+    twin = dataclasses.replace(tma, tma=False, tile_override=tma.tile)
     assert_build_gives_the_same_bits(twin, q, k, v, out, lse, mask, causal=causal, window=window)
 
 
@@ -277,14 +296,14 @@ def assert_build_gives_the_same_bits(kernel, q, k, v, out, lse, mask, **options)
     """`kernel` launched on the same problem writes out's and lse's bits exactly."""
     import cupy
 
-    from cupyflash import _validation
+    from cupyflash import validation
     from shapes import bits
 
-    p = _validation.check_attention_args(q, k, v, scale=None, return_lse=True, **{"causal": False, **options})
+    p = validation.check_attention_args(q, k, v, scale=None, return_lse=True, **{"causal": False, **options})
     if mask is not None:
-        p = _validation.check_block_mask(mask, p)
+        p = common.check_block_mask(mask, p)
     out_twin, lse_twin = cupy.full_like(out, numpy.nan), cupy.full_like(lse, numpy.nan)
-    _attention.launch_forward(q, k, v, out_twin, lse_twin, p, kernel)
+    run_forward(p, q, k, v, out_twin, lse_twin, kernel=kernel)
     assert (bits(out.get()) == bits(out_twin.get())).all()
     assert (bits(lse.get()) == bits(lse_twin.get())).all()
 
@@ -302,18 +321,18 @@ WS_SHAPES = [(2, 70, 1, 4, 2, 128), (2, 1, 17, 3, 3, 104), (2, 203, 331, 4, 2, 1
 @pytest.mark.parametrize("block_sparse", [False, True], ids=["dense", "block-sparse"])
 @pytest.mark.parametrize("shape", WS_SHAPES)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_warp_specialised_forward(rng, monkeypatch, nan_outputs, hopper, dtype, shape, block_sparse, sm_count):
+def test_warp_specialised_forward(rng, policy, monkeypatch, nan_outputs, hopper, dtype, shape, block_sparse, sm_count):
     """The warp-specialised kernel (WgmmaFwdWsKernel) against the reference, and bit for bit against
     the TMA build at its tile (128 x 128, two warpgroups, no lazy rescale: the same arithmetic on
     the same tiles). sm_count forces the persistent grid down to 1 or 3 blocks, so that each claims
     many tiles and walks them through both Q_i buffers and round the K_j, V_j ring; the launch
     leaves its claim counter zeroed. Block-sparse masks leave a mask row empty (output 0, lse -inf)
     where there are two. Q, K and V are strided views. d64 takes it here for every problem, not
-    only for masks as sparse as WS_FORWARD_MAX_STEPS asks."""
-    monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", True)
-    monkeypatch.setattr(inst, "WS_FORWARD_MAX_STEPS", {})
+    only for masks as sparse as the policy's ws_forward_max_steps asks."""
+    policy(ws_forward=True)
+    policy(ws_forward_max_steps=())
     if sm_count is not None:
-        monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count)
+        set_sm_count(monkeypatch, sm_count)
     q, k, v = _tma_inputs(rng, dtype, shape)
     q = _strided_like(rng, q)
     assert not q.flags.c_contiguous
@@ -327,12 +346,12 @@ def test_warp_specialised_forward(rng, monkeypatch, nan_outputs, hopper, dtype, 
     else:
         out, lse = cupyflash.attention(q, k, v, return_lse=True)
     ws = hopper[-1]
-    assert isinstance(ws, inst.WgmmaFwdWsKernel) and ws.block_sparse == block_sparse
+    assert isinstance(ws, WgmmaFwdWsKernel) and ws.block_sparse == block_sparse
     assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
-    assert _attention._ZEROED and not any(c.any() for c in _attention._ZEROED.values())
+    assert workspace.ZEROED and not any(c.any() for c in workspace.ZEROED.values())
 
-    twin = inst.WgmmaFwdKernel(dtype, ws.head_dim, False, block_sparse=block_sparse, tma=True,
-                               tile_override=inst.TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1))
+    twin = WgmmaFwdKernel(dtype, ws.head_dim, False, block_sparse=block_sparse, tma=True,
+                               tile_override=tiles.TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1))
     assert_build_gives_the_same_bits(twin, q, k, v, out, lse, mask)
 
 
@@ -347,38 +366,38 @@ def test_warp_specialised_forward_claims_the_longest_rows_first(rng, monkeypatch
     Batch 2, seqlen_q 1000 (the last tile cut short); the launch leaves its claim counter zeroed."""
     import cupy
 
-    from cupyflash import _validation
+    from cupyflash import validation
 
-    monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count or 132)
+    set_sm_count(monkeypatch, sm_count or 132)
     q, k, v = _tma_inputs(rng, dtype, (2, 1000, 900, 3, 3, head_dim))
     dense = rng.random((3, 8, 8)) < 0.3
     dense[:, 3] = True  # a global row in every head
     dense[1, 5] = False  # a row with no key block
     mask = BlockMask(dense)
-    p = _validation.check_block_mask(mask, _validation.check_attention_args(q, k, v, causal=False, scale=None,
+    p = common.check_block_mask(mask, validation.check_attention_args(q, k, v, causal=False, scale=None,
                                                                             return_lse=True))
-    kernel = inst.WgmmaFwdWsKernel(dtype, head_dim, False, block_sparse=True)
+    kernel = WgmmaFwdWsKernel(dtype, head_dim, False, block_sparse=True)
     assert mask.query_tile_order(2, 3, 1000, kernel.tile.block_m, q.device.id) is not None
     out, lse = cupy.full(q.shape, numpy.nan, q.dtype), cupy.full((2, 3, 1000), numpy.nan, numpy.float32)
-    _attention.launch_forward(q, k, v, out, lse, p, kernel)
+    run_forward(p, q, k, v, out, lse, kernel=kernel)
     assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
-    assert not any(c.any() for c in _attention._ZEROED.values())
+    assert not any(c.any() for c in workspace.ZEROED.values())
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_warp_specialised_forward_captured_in_a_graph(rng, monkeypatch, hopper, dtype):
+def test_warp_specialised_forward_captured_in_a_graph(rng, policy, monkeypatch, hopper, dtype):
     """A captured call keeps a claim counter of its own: replayed on another stream while calls on
     the capturing stream go on, each replay claims every tile afresh and gives the direct call's
     bits (three blocks for 2 x 2 x 9 tiles, so that most are claimed)."""
     import cupy
     from shapes import bits, captured, replay_into_nan
 
-    monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", True)
-    monkeypatch.setattr(_attention, "_sm_count", lambda device_id: 3)
+    policy(ws_forward=True)
+    set_sm_count(monkeypatch, 3)
     q, k, v = _tma_inputs(rng, dtype, (2, 1100, 900, 2, 1, 128))
     mask = BlockMask(rng.random((2, 9, 8)) < 0.5)
     want = [x.get() for x in cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)]
-    assert isinstance(hopper[-1], inst.WgmmaFwdWsKernel)
+    assert isinstance(hopper[-1], WgmmaFwdWsKernel)
     graph, outputs, capturing = captured(lambda: cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True))
     other = cupy.cuda.Stream(non_blocking=True)
     for _ in range(3):
@@ -393,21 +412,21 @@ def test_warp_specialised_forward_captured_in_a_graph(rng, monkeypatch, hopper, 
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_warp_specialised_forward_falls_back(rng, monkeypatch, nan_outputs, hopper, dtype):
+def test_warp_specialised_forward_falls_back(rng, policy, monkeypatch, nan_outputs, hopper, dtype):
     """Q 2 bytes off 16-byte alignment has no tensor map: the TMA build serves (K's and V's maps
     still fit). Causal problems take the TMA build too."""
     import cupy
 
-    monkeypatch.setattr(inst, "WS_FORWARD_BY_DEFAULT", True)
+    policy(ws_forward=True)
     dt = numpy_dtype(dtype)
     buf = cupy.asarray(rng.standard_normal(300 * 2 * 128 + 1).astype(dt))
     q = buf[1:].reshape(1, 300, 2, 128)
     k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 1, 300, 300, 2, 128)[1:])
     out, lse = cupyflash.attention(q, k, v, return_lse=True)
-    assert isinstance(hopper[-1], inst.WgmmaFwdKernel) and hopper[-1].tma
+    assert isinstance(hopper[-1], WgmmaFwdKernel) and hopper[-1].tma
     assert_matches_reference(q, k, v, out, lse, dtype, False)
     out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
-    assert isinstance(hopper[-1], inst.WgmmaFwdKernel) and hopper[-1].tma and hopper[-1].local
+    assert isinstance(hopper[-1], WgmmaFwdKernel) and hopper[-1].tma and hopper[-1].local
     assert_matches_reference(q, k, v, out, lse, dtype, True)
 
 
@@ -456,7 +475,7 @@ def _strided_like(rng, q):
 @pytest.mark.parametrize("variant", ["dense", "causal", "block_sparse"])
 @pytest.mark.parametrize("shape", TMA_DQ_SHAPES)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_tma_dq_build_matches_the_atomic_build(rng, monkeypatch, nan_outputs, hopper, dtype, shape, variant):
+def test_tma_dq_build_matches_the_atomic_build(rng, policy, monkeypatch, nan_outputs, hopper, dtype, shape, variant):
     """The copy engine brings the same Q_i, dO_i tiles as the threads' copies: dK_j and dV_j are
     equal bit for bit. dQ sums the same shares in another order (neither build's is fixed): within
     the reference's tolerance, as the atomic build's."""
@@ -485,9 +504,9 @@ def test_tma_dq_build_matches_the_atomic_build(rng, monkeypatch, nan_outputs, ho
     grads = backward()
     assert hopper[-1].tma and hopper[-1].local == causal and hopper[-1].block_sparse == (mask is not None)
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask)
-    monkeypatch.setattr(inst, "TMA_BACKWARD_BY_DEFAULT", False)
+    policy(tma=False)
     atomic = backward()
-    assert not hopper[-1].tma and inst.without_tma(hopper[-2]) == hopper[-1]
+    assert not hopper[-1].tma and dataclasses.replace(hopper[-2], tma=False) == hopper[-1]
     assert_gradients_match_reference(dout, q, k, v, atomic, dtype, causal, block_mask=mask)
     for got, want in zip(grads[1:], atomic[1:]):
         assert (bits(got.get()) == bits(want.get())).all()
@@ -504,14 +523,14 @@ WS_BWD_SHAPES = [(2, 70, 1, 4, 2, 64), (2, 1, 17, 3, 3, 40), (2, 203, 331, 4, 2,
 @pytest.mark.parametrize("variant", list(TMA_VARIANTS))
 @pytest.mark.parametrize("shape", WS_BWD_SHAPES)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dtype, shape, variant, sm_count, ring):
+def test_warp_specialised_dkdv_kernel(rng, policy, monkeypatch, nan_outputs, hopper, dtype, shape, variant, sm_count, ring):
     """The warp-specialised dK/dV kernel against the reference, and bit for bit against the
     one-block TMA build for dK and dV (the same steps on the same tiles, each key block's walk
     starting at the same query block); dQ sums the same shares in another order: within the
     reference's tolerance. sm_count forces the grid down to 1 or 3 blocks, so that each claims many
     key blocks, its producer filling both Q_i buffers and K_j, V_j while the consumers write out
     the last key block. Block masks of 256 keys round the launch up past seqlen_k (key tiles with
-    nothing to do) and leave a key block with no query block. At WS_DQ_RING_HEAD_DIMS (d64) the
+    nothing to do) and leave a key block with no query block. At the policy's ring_head_dims (d64) the
     kernel adds dQ into its ring and rounds dq itself: no conversion launch follows it (the
     one-block build's does), and every dQ element, NaN before, is written; d128 adds into the
     whole workspace, which the conversion rounds. The ring holds every slab of these problems
@@ -524,16 +543,16 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
 
     if not hopper.backward:
         pytest.skip("the Hopper dK/dV kernel is switched off in this run")
-    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", True)
+    policy(ws_backward=True)
     if sm_count is not None:
-        monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count)
-    monkeypatch.setattr(inst, "WS_DQ_RING_SLABS", ring)
+        set_sm_count(monkeypatch, sm_count)
+    policy(ring_slabs=ring)
     if ring:
-        monkeypatch.setattr(inst, "WS_DQ_RING_HEAD_DIMS", (64, 128))
+        policy(ring_head_dims=(64, 128))
     # Without a forced ring: at any density on every block, on one block never (d64 then takes the
-    # whole workspace, as below WS_DQ_RING_MIN_STEPS).
-    monkeypatch.setattr(inst, "WS_DQ_RING_MIN_STEPS", float("inf") if sm_count == 1 else 0.0)
-    rounds_dq = inst.padded_head_dim(shape[5]) in inst.WS_DQ_RING_HEAD_DIMS and sm_count != 1
+    # whole workspace, as below the policy's ring_min_steps).
+    policy(ring_min_steps=float("inf") if sm_count == 1 else 0.0)
+    rounds_dq = tiles.padded_head_dim(shape[5]) in current().ring_head_dims and sm_count != 1
     causal, window, block_sparse = TMA_VARIANTS[variant]
     q, k, v = _tma_inputs(rng, dtype, shape)
     q, dout = _strided_like(rng, q), _strided_like(rng, q)
@@ -552,8 +571,8 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
         return cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask, causal=causal, window=window)
 
     steps, launched = [], []
-    recording = _attention._launch
-    monkeypatch.setattr(_attention, "_launch",
+    recording = launch.launch
+    monkeypatch.setattr(launch, "launch",
                         lambda kernel, *args: (steps.append(getattr(kernel, "step", "dK/dV")), launched.append(args),
                                                recording(kernel, *args))[2])
     grads = backward()
@@ -568,13 +587,13 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
     left = cupy.ndarray((words,), cupy.int32, cupy.cuda.MemoryPointer(
         cupy.cuda.UnownedMemory(int(counters), 4 * words, None), 0))
     assert not left.any(), "the counters are left zero for the next launch"
-    rings = [x for key, x in _attention._ZEROED.items() if key[0] == "dq ring"]
+    rings = [x for key, x in workspace.ZEROED.items() if key[0] == "dq ring"]
     if rounds_dq:  # the stream's kept ring, not a fresh one
-        ring_of_stream = _attention._ZEROED[("dq ring", q.device.id, cupy.cuda.get_current_stream().ptr)]
+        ring_of_stream = workspace.ZEROED[("dq ring", q.device.id, cupy.cuda.get_current_stream().ptr)]
         assert int(dkdv[2]["dq_accum"][0]) == ring_of_stream.data.ptr
     assert not any(x.any() for x in rings), "the stream's kept ring is left zero for the next launch"
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask, window=window)
-    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", False)
+    policy(ws_backward=False)
     steps.clear()
     one_block = backward()
     assert hopper[-1] == dataclasses.replace(ws, ws=False)
@@ -587,7 +606,7 @@ def test_warp_specialised_dkdv_kernel(rng, monkeypatch, nan_outputs, hopper, dty
 @pytest.mark.parametrize("sm_count", [None, 3])
 @pytest.mark.parametrize("head_dim, kv_heads", [(64, 3), (128, 1)])
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, monkeypatch, nan_outputs, hopper, dtype, head_dim,
+def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, policy, monkeypatch, nan_outputs, hopper, dtype, head_dim,
                                                                  kv_heads, sm_count):
     """On a mask with a column far longer than the rest (each key block seen by one query block,
     a global key block by all 8: class 3), the warp-specialised dK/dV kernel claims its items in
@@ -602,9 +621,9 @@ def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, monkeypatch
 
     if not hopper.backward:
         pytest.skip("the Hopper dK/dV kernel is switched off in this run")
-    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", True)
-    monkeypatch.setattr(inst, "WS_DQ_RING_MIN_STEPS", float("inf"))
-    monkeypatch.setattr(_attention, "_sm_count", lambda device_id: sm_count or 132)
+    policy(ws_backward=True)
+    policy(ring_min_steps=float("inf"))
+    set_sm_count(monkeypatch, sm_count or 132)
     q, k, v = _tma_inputs(rng, dtype, (2, 1000, 900, 3, kv_heads, head_dim))
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
     dense = numpy.zeros((3, 8, 8), bool)
@@ -614,8 +633,8 @@ def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, monkeypatch
     mask = BlockMask(dense)
     out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
     launched = []
-    recording = _attention._launch
-    monkeypatch.setattr(_attention, "_launch",
+    recording = launch.launch
+    monkeypatch.setattr(launch, "launch",
                         lambda kernel, *args: (launched.append((kernel, args)), recording(kernel, *args))[1])
     grads = cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
     ws = hopper[-1]
@@ -635,7 +654,7 @@ def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, monkeypatch
         cupy.cuda.UnownedMemory(int(dkdv[-3]), 4 * words, None), 0))
     assert not left.any(), "the counters are left zero for the next launch"
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, False, block_mask=mask)
-    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", False)
+    policy(ws_backward=False)
     one_block = cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
     assert hopper[-1] == dataclasses.replace(ws, ws=False)
     for got, want in zip(grads[1:], one_block[1:]):
@@ -643,7 +662,7 @@ def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_warp_specialised_dkdv_kernel_captured_in_a_graph(rng, monkeypatch, hopper, dtype):
+def test_warp_specialised_dkdv_kernel_captured_in_a_graph(rng, policy, monkeypatch, hopper, dtype):
     """A captured block-sparse backward keeps its workspaces, counters and dQ ring (two slots for
     four slabs, three blocks) of its own: replayed on another stream while calls on the capturing
     stream go on (with that stream's kept ring), every replay and every call gives the direct
@@ -654,9 +673,9 @@ def test_warp_specialised_dkdv_kernel_captured_in_a_graph(rng, monkeypatch, hopp
 
     if not hopper.backward:
         pytest.skip("the Hopper dK/dV kernel is switched off in this run")
-    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", True)
-    monkeypatch.setattr(inst, "WS_DQ_RING_SLABS", 2)
-    monkeypatch.setattr(_attention, "_sm_count", lambda device_id: 3)
+    policy(ws_backward=True)
+    policy(ring_slabs=2)
+    set_sm_count(monkeypatch, 3)
     q, k, v = _tma_inputs(rng, dtype, (2, 600, 500, 4, 2, 64))
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
     mask = BlockMask(rng.random((4, 5, 4)) < 0.6)
@@ -679,25 +698,25 @@ def test_warp_specialised_dkdv_kernel_captured_in_a_graph(rng, monkeypatch, hopp
             assert_gradients_match_reference(dout, q, k, v, grads, dtype, False, block_mask=mask)
             for got, expected in zip(grads[1:], want[1:]):
                 numpy.testing.assert_array_equal(bits(got.get()), bits(expected))
-    assert not any(x.any() for x in _attention._ZEROED.values())
+    assert not any(x.any() for x in workspace.ZEROED.values())
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_warp_specialised_dkdv_kernel_falls_back(rng, monkeypatch, nan_outputs, hopper, dtype):
+def test_warp_specialised_dkdv_kernel_falls_back(rng, policy, monkeypatch, nan_outputs, hopper, dtype):
     """V 2 bytes off 16-byte alignment has no tensor map: the one-block TMA build serves (dQ's, Q's
     and dO's maps still fit), with results as ever."""
     import cupy
 
     if not hopper.backward:
         pytest.skip("the Hopper dK/dV kernel is switched off in this run")
-    monkeypatch.setattr(inst, "WS_BACKWARD_BY_DEFAULT", True)
+    policy(ws_backward=True)
     q, k = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 300, 300, 2, 64)[:2])
     buf = cupy.asarray(rng.standard_normal(k.size + 1).astype(k.dtype))
     v = buf[1:].reshape(k.shape)
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
     out, lse = cupyflash.attention(q, k, v, return_lse=True)
     grads = cupyflash.attention_backward(dout, q, k, v, out, lse)
-    assert isinstance(hopper[-1], inst.WgmmaBwdDkdvKernel) and hopper[-1].tma and not hopper[-1].ws
+    assert isinstance(hopper[-1], WgmmaBwdDkdvKernel) and hopper[-1].tma and not hopper[-1].ws
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, False)
 
 
@@ -719,7 +738,7 @@ def test_tma_dq_falls_back_to_atomics(rng, nan_outputs, hopper, dtype):
         dout = dout.reshape(q.shape)
         out, lse = cupyflash.attention(q, k, v, return_lse=True)
         grads = cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic)
-        assert isinstance(hopper[-1], inst.WgmmaBwdDkdvKernel) and not hopper[-1].tma
+        assert isinstance(hopper[-1], WgmmaBwdDkdvKernel) and not hopper[-1].tma
         assert_gradients_match_reference(dout, q, k, v, grads, dtype, False)
     q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 113, 203, 3, 64))
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))

@@ -1,0 +1,295 @@
+"""The FlashAttention benchmark grid: cupyflash against its peers, forward and backward.
+
+    python -m cupyflash bench [--dtype bfloat16 --dtype float16] [--head-dim 64 --head-dim 128]
+                              [--seqlen 512 ... --seqlen 16384] [--extra-head-dim 32 ...] [--flex]
+                              [--out benchmarks/results]
+    (python -m cupyflash bench --help lists the other grids: --sparse, --decode, --varlen, --variants,
+    --host)
+
+The grid is FlashAttention's: batch x seqlen = 16384 tokens, hidden 2048 (heads = 2048 / head_dim),
+causal and not. For each problem, on the same inputs (random normal, never zeros):
+  1. correctness: out, dq, dk, dv of (batch 0, head 0) against float64 standard attention on the GPU;
+     the bound is the tolerance rule (2x the error of the same computation in the input precision,
+     here PyTorch's flash backend or, without torch, standard attention, plus a noise floor);
+  2. timing: CUDA events around batches of back-to-back calls after warm-up (GPU time per call,
+     with Python's launch overhead hidden behind the GPU work, as in a training loop), the median
+     of many batches, for
+     cupyflash (the public attention / attention_backward on CuPy arrays), PyTorch SDPA's flash
+     (FlashAttention-2), cuDNN and mem-efficient backends, FlexAttention (with --flex; compiled
+     once per shape), and standard CuPy attention (its backward time is forward+backward minus
+     forward; skipped where its seqlen x seqlen matrices do not fit in free memory).
+FLOPs: forward 4·b·h·s_q·s_k·d, halved for causal; backward 2.5x forward. A peer that is not
+installed or not supported here is named as skipped; any other exception stops the run.
+Writes <device>-<date>-bench.csv and .png under --out and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+
+import numpy
+
+from cupyflash.bench import common
+from cupyflash.bench.common import TORCH_BACKENDS
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    dtype: str
+    head_dim: int
+    seqlen: int
+    causal: bool
+    tokens: int = 16384
+    hidden: int = 2048
+
+    @property
+    def batch(self) -> int:
+        return max(1, self.tokens // self.seqlen)
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.hidden // self.head_dim)
+
+    def flops(self, direction: str) -> float:
+        from cupyflash import standard
+
+        f = standard.flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim, self.causal)
+        return f * (standard.BACKWARD_FLOPS_RATIO if direction == "bwd" else 1.0)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m cupyflash bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", action="append", choices=["bfloat16", "float16"], help="default: both")
+    ap.add_argument("--head-dim", type=int, action="append", help="main grid head dims (default 64, 128)")
+    ap.add_argument("--seqlen", type=int, action="append", help="default 512 1024 2048 4096 8192 16384")
+    ap.add_argument("--extra-head-dim", type=int, action="append",
+                    help="also report these head dims, bfloat16, seqlen 2048/8192/16384 (default 32 96 256)")
+    ap.add_argument("--no-extra", action="store_true", help="skip the extra head dims")
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--flex", action="store_true", help="also time FlexAttention (torch.compile per shape: slow)")
+    ap.add_argument("--max-seconds", type=float, default=0.3, help="timing budget per measurement")
+    ap.add_argument("--out", type=pathlib.Path, default=common.RESULTS)
+    return ap.parse_args(argv)
+
+
+def problems(args) -> list[Problem]:
+    dtypes = args.dtype or ["bfloat16", "float16"]
+    dims = args.head_dim or [64, 128]
+    seqlens = args.seqlen or [512, 1024, 2048, 4096, 8192, 16384]
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    grid = [Problem(t, d, s, c) for t in dtypes for d in dims for c in causals for s in seqlens]
+    if not args.no_extra:
+        extra_seqlens = [s for s in (2048, 8192, 16384) if not args.seqlen or s in args.seqlen]
+        for d in args.extra_head_dim or [32, 96, 256]:
+            grid += [Problem("bfloat16", d, s, c) for c in causals for s in extra_seqlens]
+    return grid
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def time_torch_sdpa(peers, backend, pr, q, k, v, dout, max_seconds):
+    """(fwd ms, bwd ms) or a reason string."""
+    torch = peers.torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tq, tk, tv = (common.torch_view(x).detach().requires_grad_() for x in (q, k, v))
+    tdo = common.torch_view(dout)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel(getattr(SDPBackend, TORCH_BACKENDS[backend])):
+        try:
+            out = sdpa(tq, tk, tv, is_causal=pr.causal)
+        except RuntimeError as e:  # the backend does not support this problem here
+            return f"not supported: {str(e).splitlines()[0][:80]}"
+        fwd = common.median_ms(lambda: sdpa(tq, tk, tv, is_causal=pr.causal), max_seconds)
+        bwd = common.median_ms(lambda: torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True), max_seconds)
+    return fwd, bwd
+
+
+def time_flex(peers, pr, q, k, v, dout, max_seconds):
+    torch = peers.torch
+    flex_attention, create_block_mask = peers.flex
+    tq, tk, tv = (common.torch_view(x).detach().requires_grad_() for x in (q, k, v))
+    tdo = common.torch_view(dout)
+    mask = None
+    if pr.causal:
+        mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, pr.seqlen, pr.seqlen)
+    out = flex_attention(tq, tk, tv, block_mask=mask)
+    fwd = common.median_ms(lambda: flex_attention(tq, tk, tv, block_mask=mask), max_seconds)
+    bwd = common.median_ms(lambda: torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True), max_seconds)
+    return fwd, bwd
+
+
+def time_standard(pr, q, k, v, dout, max_seconds):
+    import cupy
+
+    from cupyflash import standard
+
+    # P and dS per head in float32, plus the scores: about 16 bytes per score element at peak.
+    need = 16 * pr.batch * pr.heads * pr.seqlen**2
+    free = cupy.cuda.Device().mem_info[0] + cupy.get_default_memory_pool().free_bytes()
+    if need > 0.8 * free:
+        return f"skipped: needs ~{need / 2**30:.0f} GiB for seqlen x seqlen matrices, {free / 2**30:.0f} GiB free"
+    fwd = common.median_ms(lambda: standard.standard_attention(q, k, v, causal=pr.causal), max_seconds)
+    both = common.median_ms(lambda: standard.standard_attention_forward_backward(q, k, v, dout, causal=pr.causal), max_seconds)
+    cupy.get_default_memory_pool().free_all_blocks()
+    return fwd, both - fwd
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+def check(pr, q, k, v, dout, out, grads, peers):
+    """Max errors of cupyflash and of the in-precision baseline on (batch 0, head 0) against float64
+    standard attention; returns (passed, message)."""
+    import cupy
+
+    from cupyflash import reference, standard
+
+    def head(x):
+        return cupy.ascontiguousarray(x[:1, :, :1])
+
+    exact_out, exact_grads = standard.standard_attention_forward_backward(
+        *(head(x).astype(numpy.float64) for x in (q, k, v, dout)), causal=pr.causal
+    )
+    ours = [head(out)] + [head(g) for g in grads]
+    exact = [exact_out] + list(exact_grads)
+    if peers.torch is not None:
+        torch = peers.torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        tq, tk, tv = (common.torch_view(head(x)).detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            tout = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=pr.causal)
+            tgrads = torch.autograd.grad(tout, (tq, tk, tv), common.torch_view(head(dout)))
+        baseline = [cupy.from_dlpack(t.detach().transpose(1, 2).contiguous()) for t in (tout, *tgrads)]
+        baseline_name = "torch flash backend"
+    else:
+        b_out, b_grads = standard.standard_attention_forward_backward(*(head(x) for x in (q, k, v, dout)), causal=pr.causal)
+        baseline = [b_out, *b_grads]
+        baseline_name = "standard attention"
+    worst, parts = 0.0, []
+    for name, got, ref, base in zip(("out", "dq", "dk", "dv"), ours, exact, baseline):
+        ref64 = cupy.asnumpy(ref)
+        err = float(numpy.abs(cupy.asnumpy(got.astype(numpy.float64)) - ref64).max())
+        bound = reference.error_bound(ref64, cupy.asnumpy(base.astype(numpy.float64)), pr.dtype)
+        worst = max(worst, err / bound)
+        parts.append(f"{name} {err:.1e}/{bound:.1e}")
+    return worst <= 1.0, f"err/bound vs {baseline_name}: " + ", ".join(parts)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    matplotlib, tqdm, device, date, stem = common.start_run("bench")
+    import cupy
+
+    import cupyflash
+    from cupyflash.validation import BFLOAT16
+
+    peers = common.Peers(args.flex)
+    rows, failures = [], []
+    grid = problems(args)
+    print(f"# {device}; cupyflash {cupyflash.__version__}; {len(grid)} problems", flush=True)
+    for name, reason in peers.skipped.items():
+        print(f"# peer {name}: {reason}", flush=True)
+
+    for pr in tqdm(grid, desc="bench", file=sys.stderr):
+        dt = BFLOAT16 if pr.dtype == "bfloat16" else numpy.dtype(pr.dtype)
+        rs = cupy.random.default_rng(abs(hash(pr)) % 2**32)
+        shape = (pr.batch, pr.seqlen, pr.heads, pr.head_dim)
+        q, k, v, dout = (rs.standard_normal(shape, dtype=numpy.float32).astype(dt) for _ in range(4))
+        out, lse = cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True)
+        grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=pr.causal)
+        ok, message = check(pr, q, k, v, dout, out, grads, peers)
+        if not ok:
+            failures.append(f"{pr}: {message}")
+        timings = {
+            "cupyflash": (
+                common.median_ms(lambda: cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True), args.max_seconds),
+                common.median_ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=pr.causal), args.max_seconds),
+            )
+        }
+        if peers.torch is not None:
+            for backend in TORCH_BACKENDS:
+                timings[f"torch-{backend}"] = time_torch_sdpa(peers, backend, pr, q, k, v, dout, args.max_seconds)
+        if peers.flex is not None:
+            timings["flex"] = time_flex(peers, pr, q, k, v, dout, args.max_seconds)
+        timings["standard"] = time_standard(pr, q, k, v, dout, args.max_seconds)
+        for method, t in timings.items():
+            for i, direction in enumerate(("fwd", "bwd")):
+                ms = t[i] if isinstance(t, tuple) else None
+                rows.append({
+                    "device": device, "date": date, "dtype": pr.dtype, "head_dim": pr.head_dim, "heads": pr.heads,
+                    "batch": pr.batch, "seqlen": pr.seqlen, "causal": pr.causal, "direction": direction,
+                    "method": method, "median_ms": f"{ms:.4f}" if ms else "",
+                    "tflops": f"{pr.flops(direction) / ms / 1e9:.1f}" if ms else "",
+                    "note": "" if ms else t, "check": ("PASS " if ok else "FAIL ") + message if method == "cupyflash" else "",
+                })
+        del q, k, v, dout, out, lse, grads
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    return common.finish(rows, failures, len(grid), args.out / stem, device, plot, print_table, matplotlib)
+
+
+def _key(r):
+    return (r["dtype"], int(r["head_dim"]), r["causal"] in (True, "True"), int(r["seqlen"]))
+
+
+def print_table(rows, device):
+    """TFLOP/s of cupyflash and its ratio to every peer, per problem and direction."""
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "cupyflash"]
+    by = {(_key(r), r["direction"], r["method"]): r for r in rows}
+    print(f"\n## {device}: cupyflash TFLOP/s and speed ratio (peer time / cupyflash time; >1 = cupyflash faster)")
+    header = f"{'dtype':8} {'d':>3} {'causal':6} {'seqlen':>6} {'dir':3} {'cupyflash':>9}"
+    header += "".join(f" {m:>15}" for m in methods)
+    print(header)
+    for key in sorted({_key(r) for r in rows}):
+        for direction in ("fwd", "bwd"):
+            ours = by[(key, direction, "cupyflash")]
+            line = f"{key[0]:8} {key[1]:3d} {str(key[2]):6} {key[3]:6d} {direction:3} {ours['tflops']:>9}"
+            for m in methods:
+                r = by.get((key, direction, m))
+                if r is None or not r["median_ms"]:
+                    line += f" {'-':>15}"
+                else:
+                    ratio = float(r["median_ms"]) / float(ours["median_ms"])
+                    line += f" {r['tflops']:>7}/{ratio:5.2f}x "
+            print(line)
+    reasons = {(r["method"], r["note"]) for r in rows if not r["median_ms"]}
+    for method, note in sorted(reasons):  # why a peer shows "-": never dropped silently
+        problems = sum(1 for r in rows if r["method"] == method and r["note"] == note) // 2
+        print(f"# {method} untimed on {problems} problems: {note}")
+
+
+def plot(rows, path, device, matplotlib):
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["dtype"], int(r["head_dim"]), r["causal"] in (True, "True")) for r in rows})
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 2.8 * len(panels)), squeeze=False)
+    for (dtype, d, causal), ax_row in zip(panels, axes):
+        for direction, ax in zip(("fwd", "bwd"), ax_row):
+            for method in dict.fromkeys(r["method"] for r in rows):
+                pts = sorted(
+                    (int(r["seqlen"]), float(r["tflops"]))
+                    for r in rows
+                    if (r["dtype"], int(r["head_dim"]), r["causal"] in (True, "True")) == (dtype, d, causal)
+                    and r["direction"] == direction and r["method"] == method and r["tflops"]
+                )
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=method, linewidth=2.5 if method == "cupyflash" else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{direction} {dtype} d{d}{' causal' if causal else ''}", fontsize=9)
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"cupyflash vs peers on {device} (16k tokens, hidden 2048)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+

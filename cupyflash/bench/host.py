@@ -1,0 +1,102 @@
+"""Host (Python) time per call of attention / attention_backward, a development tool.
+
+    python -m cupyflash bench --host
+
+On a tiny problem (batch 1, seqlen 128, 2 heads, head_dim 128, bfloat16) the GPU work is a few
+microseconds, so 2000 back-to-back calls run at the host's pace: the wall time per call is the
+launch overhead (validation, argument packing, kernel launches). PyTorch SDPA's forward on the
+same tensors is printed for scale, and cupyflash.torch's forward (the adapter) beside it; with
+--profile, the top functions of a cProfile run follow.
+
+--fresh N: the calls go round N sets of arrays, and each call's results are kept until its set
+comes round again, as a model's layers keep theirs: every call then sees arrays at new addresses
+(new TMA descriptors), where the default loop gets its output back at the address just freed.
+"""
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import sys
+import time
+
+import numpy
+
+
+def main(argv=None):
+    import cupy
+
+    import cupyflash
+    from cupyflash.validation import BFLOAT16
+
+    ap = argparse.ArgumentParser(prog="python -m cupyflash bench --host", description=__doc__.split(chr(10))[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-gc", action="store_true", help="with Python's cyclic garbage collector off")
+    ap.add_argument("--sort", default="tottime", help="the profile's order: tottime (default) or cumulative")
+    ap.add_argument("--only", help="time (and profile) only the calls whose name contains this")
+    ap.add_argument("--fresh", type=int, default=1, metavar="N",
+                    help="go round N sets of arrays, keeping each call's results until its set comes round")
+    args = ap.parse_args(argv)
+    rs = cupy.random.default_rng(0)
+    sets = []
+    for _ in range(args.fresh):
+        q, k, v, dout = (rs.standard_normal((1, 128, 2, 128), dtype=numpy.float32).astype(BFLOAT16) for _ in range(4))
+        out, lse = cupyflash.attention(q, k, v, return_lse=True)
+        sets.append((q, k, v, dout, out, lse))
+    mask = cupyflash.BlockMask(numpy.ones((2, 1, 1), bool))
+    kept = [None] * args.fresh
+    turn = iter(range(1 << 62))
+
+    def each(call, arrays=sets):
+        """call(*arrays[i]) for the next set i, its result kept until i's next turn (with one set,
+        dropped at once, so that the next call's output takes the address just freed)."""
+        def run():
+            i = next(turn) % args.fresh
+            kept[i] = None
+            result = call(*arrays[i])
+            if args.fresh > 1:
+                kept[i] = result
+        return run
+
+    calls = {
+        "attention": each(lambda q, k, v, dout, out, lse: cupyflash.attention(q, k, v, return_lse=True)),
+        "attention_backward": each(lambda q, k, v, dout, out, lse: cupyflash.attention_backward(dout, q, k, v, out, lse)),
+        "block_sparse fwd": each(lambda q, k, v, dout, out, lse: cupyflash.block_sparse_attention(
+            q, k, v, mask, return_lse=True)),
+        "block_sparse bwd": each(lambda q, k, v, dout, out, lse: cupyflash.block_sparse_attention_backward(
+            dout, q, k, v, out, lse, mask)),
+    }
+    try:
+        import torch
+
+        import cupyflash.torch
+
+        tsets = [tuple(torch.from_dlpack(x) for x in s[:3]) for s in sets]
+        calls["torch sdpa forward"] = each(torch.nn.functional.scaled_dot_product_attention,
+                                           [tuple(x.transpose(1, 2) for x in s) for s in tsets])
+        # The adapter on (batch, seq, heads, head_dim) tensors: DLPack in and out, torch's stream.
+        calls["cupyflash.torch forward"] = each(cupyflash.torch.attention, tsets)
+    except ImportError:
+        print("# torch not installed: no SDPA line")
+    if args.no_gc:
+        gc.disable()
+    for name, fn in calls.items():
+        if args.only and args.only not in name:
+            continue
+        fn()
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            fn()
+        cupy.cuda.Device().synchronize()
+        print(f"{name:20} {(time.perf_counter() - start) / args.calls * 1e6:7.1f} us per call")
+        if args.profile and not name.startswith("torch"):
+            profile = cProfile.Profile()
+            profile.runcall(lambda: [fn() for _ in range(500)])
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats(args.sort).print_stats(14 if args.sort == "tottime" else 40)
+            print(text.getvalue())
+    return 0
+

@@ -1,0 +1,121 @@
+"""Kernel descriptors of KV-cache decoding (kernels/decode/decode.cu). Decoding reads the whole
+cache for a handful of query rows, so its tiles are chosen for bytes in flight, not for FLOPs: the
+tensor-core kernel keeps kStages - 1 tiles of K and V (64 keys each) loading while one is used, and
+both kernels pack a GQA group's heads and the query positions into the rows of one tile
+(`DecodeLayout`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from cupyflash.catalog import tiles
+from cupyflash.catalog.tiles import DECODE_MAX_SPLITS, DECODE_WARPS, ELEMENT_TYPES, accum_itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernelBase:
+    """What the two decode kernels share: one instantiation per (dtype, padded head dim), whose
+    traits' template arguments and shared memory the subclasses give (`traits_args`, `smem_bytes`)."""
+
+    dtype_name: str
+    head_dim: int  # padded
+    score_mod: bool = False  # softcap / ALiBi: the kernels' kScoreMod instantiation
+
+    source_file = "decode/decode.cu"
+    num_threads = 32 * DECODE_WARPS
+    per_kv_head = False
+    arch = None
+    compile_options = ()
+
+    @functools.cached_property
+    def traits(self) -> str:
+        args = ", ".join(str(x) for x in (self.head_dim, *self.traits_args))
+        return f"cupyflash::{self.traits_name}<{ELEMENT_TYPES[self.dtype_name]}, {args}>"
+
+    @functools.cached_property
+    def name_expression(self) -> str:
+        return f"cupyflash::{self.kernel_name}<{self.traits}{', true' if self.score_mod else ''}>"
+
+    def merge_bytes(self) -> int:
+        """DecodeLayout::kMergeBytes: every warp's m, l and O for the block's rows, in Accum."""
+        o_stride = self.head_dim + 8  # DecodeLayout::kOStride (padded against bank conflicts)
+        return DECODE_WARPS * self.rows * (o_stride + 2) * accum_itemsize(self.dtype_name)
+
+    def host_checks(self) -> str:
+        return (f"static_assert({self.traits}::kSmemBytes == {self.smem_bytes}, "
+                f'"cupyflash/catalog and {self.traits_name} disagree on shared memory");\n'
+                f"static_assert(cupyflash::kDecodeMaxSplits == {DECODE_MAX_SPLITS}, "
+                f'"cupyflash/catalog and decode/decode.cuh disagree on the most splits");\n')
+
+
+@dataclasses.dataclass(frozen=True)
+class TcDecodeKernel(DecodeKernelBase):
+    """flash_decode_tc_kernel: 16 packed rows per block, the keys split over warps and blocks."""
+
+    kernel_name = "flash_decode_tc_kernel"
+    traits_name = "TcDecodeTraits"
+    family = "sm80"
+    rows = 16
+    block_n = 16 * DECODE_WARPS
+
+    @property
+    def stages(self) -> int:
+        # Three stages fit two blocks per SM on an H100 up to d128; above, two (A100's 163 KiB).
+        return 3 if self.head_dim <= 128 else 2
+
+    @property
+    def traits_args(self) -> tuple:
+        return DECODE_WARPS, self.stages
+
+    @functools.cached_property  # on every decoding step's launch path
+    def smem_bytes(self) -> int:
+        # Mirrors TcDecodeTraits::kSmemBytes: Q and kStages x (K_j, V_j), or the warps' merge.
+        tile_bytes = (self.rows + 2 * self.stages * self.block_n) * (self.head_dim + 8) * 2
+        return max(tile_bytes, self.merge_bytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernel(DecodeKernelBase):
+    """flash_decode_kernel (CUDA cores, every dtype): `tiles.decode_rows` packed rows per block."""
+
+    kernel_name = "flash_decode_kernel"
+    traits_name = "DecodeTraits"
+    family = "scalar"
+    block_n = 32 * DECODE_WARPS
+
+    @property
+    def rows(self) -> int:
+        return tiles.decode_rows(self.dtype_name, self.head_dim)
+
+    @property
+    def traits_args(self) -> tuple:
+        return self.rows, DECODE_WARPS
+
+    @functools.cached_property  # on every decoding step's launch path
+    def smem_bytes(self) -> int:
+        # Mirrors DecodeTraits::kSmemBytes: Q [rows][d] in Accum, or the warps' merge.
+        return max(self.rows * self.head_dim * accum_itemsize(self.dtype_name), self.merge_bytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAppendKernel:
+    """flash_decode_append_kernel: new keys and values copied into the caches before a step."""
+
+    dtype_name: str
+
+    source_file = "decode/decode.cu"
+    smem_bytes = 0
+    head_dim = 0  # any
+    num_threads = 128
+    per_kv_head = False
+    family = "decode"
+    arch = None
+    compile_options = ()
+
+    @functools.cached_property
+    def name_expression(self) -> str:
+        return f"cupyflash::flash_decode_append_kernel<{ELEMENT_TYPES[self.dtype_name]}>"
+
+    def host_checks(self) -> str:
+        return ""

@@ -1,0 +1,474 @@
+"""The one place that decides how a call runs: given a checked problem, its arrays and a device,
+which kernel family, instantiation, tile and grid, which workspaces, and which fallback where a
+tensor map cannot be made, all resolved before any launch.
+
+`decide_forward` / `decide_backward` are pure: from the problem, a DeviceInfo, a Policy and the
+arrays' layout (strides and alignment) they return a Decision that lists every kernel family in
+order of preference with the reason it was taken or not (what `cupyflash.explain` prints).
+`plan_forward` / `plan_backward` turn a decision into launches on real arrays: they allocate the
+workspaces, build the parameter images and tensor maps (taking the next family where the driver
+declines a map), and return a Plan that runtime.launch.run queues as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy
+
+from cupyflash.catalog import FAMILIES, Unavailable, Variant, bwd_row_kernel, dkdv_kernel, dq_kernel, forward_kernel
+from cupyflash.catalog import params as structs
+from cupyflash.catalog import tiles
+from cupyflash.catalog.specs import BwdDkdvKernel
+from cupyflash.catalog.tensor_cores import TcBwdDkdvKernel, WgmmaBwdDkdvKernel, WgmmaFwdWsKernel
+from cupyflash.dispatch import policy as policies
+from cupyflash.problem import AttentionProblem, lse_dtype
+from cupyflash.runtime import device as devices
+from cupyflash.runtime import params, tma, workspace
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    family: str
+    kernel: object | None  # the instantiation the family would run (None: it has none for the problem)
+    taken: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The kernels a problem can take on a device, best first (the later ones: fallbacks where the
+    driver declines a tensor map), and every family's verdict; for the backward, the kernel that
+    sums dQ (the deterministic dQ kernel or the conversion pass)."""
+
+    direction: str
+    kernels: tuple
+    choices: tuple
+    dq: object = None
+
+    @property
+    def kernel(self):
+        return self.kernels[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    kernel: object
+    grid: tuple
+    args: tuple  # numpy arrays passed by value (the parameter struct first), or by address
+
+
+@dataclasses.dataclass
+class Plan:
+    decision: Decision
+    device_id: int
+    launches: list
+    keep_alive: tuple  # device arrays the launches read, alive until they are queued
+
+
+def layout(**arrays) -> tuple:
+    """The layout key of a call's arrays: each one's strides and whether its address is 16-byte
+    aligned (what tensor maps need), in the order given."""
+    return tuple((name, x.strides, x.data.ptr % 16 == 0) for name, x in arrays.items())
+
+
+def _describable(lay: tuple, name: str, dims: tuple, itemsize: int = 2) -> bool:
+    for n, strides, aligned in lay:
+        if n == name:
+            s = strides if len(strides) == 4 else strides[:1] + strides
+            return aligned and tma.describable(0, itemsize, tuple(x // itemsize for x in s[:3]), dims)
+    return False
+
+
+def _fits(kernel, device: devices.DeviceInfo) -> str | None:
+    if kernel.smem_bytes > device.smem_per_block:
+        return f"needs {kernel.smem_bytes} bytes of shared memory a block, the device has {device.smem_per_block}"
+    return None
+
+
+def _device_verdict(family: str, p: AttentionProblem, device: devices.DeviceInfo) -> str | None:
+    cc = device.compute_capability
+    if family.startswith("sm90") and cc != tiles.WGMMA_COMPUTE_CAPABILITY:
+        return f"built for sm_90a; the device is sm_{cc}"
+    if family == "sm80" and cc < tiles.TENSOR_CORE_MIN_CC:
+        return f"needs sm_80 or newer; the device is sm_{cc}"
+    return None
+
+
+def _variant(p: AttentionProblem) -> Variant:
+    return Variant(p.local, p.block_mask is not None, p.modified, p.varlen)
+
+
+def _verdicts(p: AttentionProblem, device: devices.DeviceInfo, kernels: list, choices: list) -> tuple:
+    """Every family's verdict: the first accepted one taken, the others accepted after it as
+    fallbacks (where a tensor map cannot be made), the families after the last never needed."""
+    if not kernels:
+        raise _no_kernel(p, device, choices)
+    first = next(i for i, c in enumerate(choices) if c.taken)
+    verdicts = [c if i <= first or not c.taken else
+                dataclasses.replace(c, taken=False, reason="fallback, where the driver declines a tensor map")
+                for i, c in enumerate(choices)]
+    served = choices[first].family
+    verdicts += [Choice(family, None, False, f"not needed: {served} serves the problem")
+                 for family in FAMILIES[len(choices):]]
+    return tuple(verdicts)
+
+
+def _no_kernel(p: AttentionProblem, device: devices.DeviceInfo, choices: list) -> ValueError:
+    scalar = next(c for c in choices if c.family == "scalar")
+    return ValueError(f"{p.dtype_name} attention with head_dim {p.head_dim} on {device.name}: no kernel fits "
+                      f"({scalar.reason}). Use a smaller head_dim or a lower precision.")
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def decide_forward(p: AttentionProblem, device: devices.DeviceInfo, policy: policies.Policy, lay: tuple) -> Decision:
+    """The forward's families for the problem, best first, and why each was taken or not (only
+    those of policy.families are considered)."""
+    d = tiles.padded_head_dim(p.head_dim)
+    q_dims, kv_dims = (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group)
+    kernels, choices = [], []
+    for family in FAMILIES:
+        if family not in policy.families:
+            choices.append(Choice(family, None, False, "left out by the policy"))
+            continue
+        try:
+            kernel = forward_kernel(family, p.dtype_name, p.head_dim, _variant(p))
+        except Unavailable as e:
+            choices.append(Choice(family, None, False, str(e)))
+            continue
+        reason = _device_verdict(family, p, device)
+        if reason is None and family.startswith("sm90") and not policy.hopper_forward:
+            reason = "switched off (CUPYFLASH_HOPPER_FORWARD=0)"
+        if reason is None and family in ("sm90-tma", "sm90-ws") and not policy.tma:
+            reason = "switched off (CUPYFLASH_HOPPER_TMA=0)"
+        if reason is None and family == "sm90-ws":
+            reason = _ws_forward_verdict(p, d, policy)
+        if reason is None and family in ("sm90-tma", "sm90-ws"):
+            names = ("q", "k", "v", "o") if family == "sm90-ws" else ("k", "v")
+            dims = {"q": q_dims, "o": q_dims, "k": kv_dims, "v": kv_dims}
+            bad = [n for n in names if not _describable(lay, n, dims[n])]
+            if bad:
+                reason = (f"{', '.join(bad)} cannot take a tensor map (a base 16-byte aligned, strides multiples of "
+                          f"16 bytes)")
+        reason = reason or _fits(kernel, device)
+        choices.append(Choice(family, kernel, reason is None, reason or "taken"))
+        if reason is None:
+            kernels.append(kernel)
+            if family not in ("sm90-tma", "sm90-ws"):
+                break  # needs no tensor map: nothing after it is ever taken
+    return Decision("forward", tuple(kernels), _verdicts(p, device, kernels, choices))
+
+
+def _ws_forward_verdict(p: AttentionProblem, d: int, policy: policies.Policy) -> str | None:
+    if not policy.ws_forward:
+        return "switched off (CUPYFLASH_HOPPER_WS=0)"
+    most = policy.ws_forward_steps(d)
+    if most is None:
+        return None
+    if p.block_mask is None:
+        return f"at head dim {d} only for block masks of at most {most:g} key blocks a query tile"
+    steps = p.block_mask.density * math.ceil(p.seqlen_k / tiles.WGMMA_FWD_WS_TILES[d].block_n)
+    if steps > most:
+        return f"the mask's query tiles walk {steps:.2g} key blocks on average, more than {most:g}"
+    return None
+
+
+def plan_forward(p: AttentionProblem, q, k, v, out, lse, policy: policies.Policy | None = None, kernel=None) -> Plan:
+    """The forward's launch on these (validated) arrays: the decision's first kernel whose tensor maps
+    the driver makes; or `kernel` (any forward instantiation, for tests and tuning)."""
+    policy = policy or policies.current()
+    device_id = q.device.id
+    info = devices.info(device_id)
+    lay = layout(q=q, k=k, v=v, o=out)
+    key = ("forward decision", device_id, policy, lay)
+    decision = p.memo.get(key)
+    if decision is None:
+        decision = p.memo[key] = decide_forward(p, info, policy, lay)
+    pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr,
+                "query_tile_order": 0}
+
+    def static_fields():
+        fields = {}
+        fields["lse_batch_stride"], fields["lse_head_stride"] = params.row_statistics_strides(p)
+        for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
+            params.pointer_and_strides(fields, name, x)
+        return fields, params.problem_fields(fields, p, device_id)
+
+    # keep_alive: the ALiBi slopes and sequence lengths the struct points to, until the launch is queued
+    record, keep_alive = params.launch_record(
+        p, ("forward", device_id, q.strides, k.strides, v.strides, out.strides), structs.FWD_PARAMS_DTYPE, pointers,
+        static_fields)
+    kv_dims = (p.batch, p.seqlen_k, p.heads // p.kv_group)
+    for candidate in ((kernel,) if kernel is not None else decision.kernels):
+        if isinstance(candidate, WgmmaFwdWsKernel):
+            tile = candidate.tile
+            maps = record.tensor_maps(
+                ("ws", tile.block_m, tile.block_n, candidate.o_box_rows, *(pointers[name] for name in "qkvo")),
+                lambda fields: tma.fwd_ws_tensor_maps(fields, (p.batch, p.seqlen_q, p.heads), kv_dims, p.dtype_name,
+                                                      p.head_dim, tile.block_m, tile.block_n, candidate.o_box_rows),
+                pointers)
+            if maps is None:
+                continue
+            order = _query_tile_order(p, candidate, device_id)
+            n_tiles = numpy.array(candidate.n_tiles(p.batch, p.heads, p.seqlen_q), numpy.int32)
+            claims = numpy.array(workspace.zeroed_counters(device_id, 1).data.ptr, numpy.uint64)
+            grid = candidate.grid(p.batch, p.heads, p.seqlen_q, sm_count=info.sm_count)
+            args = (record.params({**pointers, "query_tile_order": order}), maps, n_tiles, claims)
+            return Plan(decision, device_id, [Launch(candidate, grid, args)], (keep_alive,))
+        args = (record.params(pointers),)
+        if candidate.family == "sm90":  # the Hopper one-block kernel takes K's and V's maps (KvTensorMaps)
+            maps = tma.NO_MAPS
+            if candidate.tma:
+                block_n = candidate.tile.block_n
+                maps = record.tensor_maps(
+                    ("kv", block_n, pointers["k"], pointers["v"]),
+                    lambda fields: tma.kv_tensor_maps(fields, kv_dims, p.dtype_name, p.head_dim, block_n), pointers)
+                if maps is None:
+                    continue
+            args += (maps,)
+        return Plan(decision, device_id, [Launch(candidate, candidate.grid(p.batch, p.heads, p.seqlen_q), args)],
+                    (keep_alive,))
+    raise ValueError(f"no tensor map could be made for {kernel}")  # (only a forced TMA kernel gets here)
+
+
+def _query_tile_order(p: AttentionProblem, kernel, device_id: int) -> int:
+    """FwdParams.query_tile_order for the warp-specialised forward: the address of its tiles' order
+    on the problem's block mask (BlockMask.query_tile_order), or 0 (the launch's own order). The
+    one-block-per-tile builds do not read it (in the d64 TMA build, the tile coordinates read from
+    it made every block-sparse launch 5-7% slower on an H100, whatever the order)."""
+    if p.block_mask is None or not kernel.block_sparse:
+        return 0
+    order = p.block_mask.query_tile_order(p.batch, p.heads, p.seqlen_q, kernel.tile.block_m, device_id)
+    return 0 if order is None else order.data.ptr
+
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def decide_backward(p: AttentionProblem, device: devices.DeviceInfo, policy: policies.Policy, lay: tuple) -> Decision:
+    """The backward's dK/dV families for the problem, best first, why each was taken or not, and
+    what sums dQ: the deterministic dQ kernel, or the conversion of the float workspace (none where
+    the warp-specialised kernel's dQ ring serves; plan_backward decides that)."""
+    d = tiles.padded_head_dim(p.head_dim)
+    q_dims, kv_dims = (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group)
+    density = None if p.block_mask is None else p.block_mask.density
+    large_smem = device.smem_per_block >= tiles.SMEM_H100
+    kernels, choices = [], []
+    for family in FAMILIES:
+        if family not in policy.families:
+            choices.append(Choice(family, None, False, "left out by the policy"))
+            continue
+        try:
+            kernel = dkdv_kernel(family, p.dtype_name, p.head_dim, _variant(p), large_smem and family == "sm80")
+        except Unavailable as e:
+            choices.append(Choice(family, None, False, str(e)))
+            continue
+        reason = _device_verdict(family, p, device)
+        if reason is None and family.startswith("sm90") and not policy.hopper_backward:
+            reason = "switched off (CUPYFLASH_HOPPER_BACKWARD=0)"
+        if reason is None and family in ("sm90-tma", "sm90-ws"):
+            if not policy.tma:
+                reason = "switched off (CUPYFLASH_HOPPER_TMA=0)"
+            elif p.deterministic:
+                reason = "deterministic: its dQ adds go through the float workspace, which that mode has not"
+            elif p.head_dim % 4:
+                reason = "the float dQ workspace's rows are not 16-byte multiples (head_dim % 4 != 0)"
+            else:
+                names = ("q", "dout", "k", "v") if family == "sm90-ws" else ("q", "dout")
+                dims = {"q": q_dims, "dout": q_dims, "k": kv_dims, "v": kv_dims}
+                bad = [n for n in names if not _describable(lay, n, dims[n])]
+                if bad:
+                    reason = (f"{', '.join(bad)} cannot take a tensor map (a base 16-byte aligned, strides multiples "
+                              f"of 16 bytes)")
+        if reason is None and family == "sm90-ws":
+            takes, why = policy.ws_backward_for(d, density, p.seqlen_q)
+            reason = None if takes else f"not by the rule: {why}"
+        reason = reason or _fits(kernel, device)
+        choices.append(Choice(family, kernel, reason is None, reason or "taken"))
+        if reason is None:
+            kernels.append(kernel)
+            if family not in ("sm90-tma", "sm90-ws"):
+                break  # needs no tensor map: nothing after it is ever taken
+    choices = _verdicts(p, device, kernels, choices)
+    if p.deterministic:
+        tensor_cores = kernels[-1].family != "scalar"
+        dq = dq_kernel(tensor_cores, p.dtype_name, p.head_dim, _variant(p))
+        if _fits(dq, device):
+            raise _no_kernel(p, device, [Choice("scalar", dq, False, _fits(dq, device))])
+    else:
+        dq = bwd_row_kernel("convert_dq", p.dtype_name, p.seqlen_q)
+    return Decision("backward", tuple(kernels), tuple(choices), dq)
+
+
+def launch_seqlen_k(p: AttentionProblem, kernel) -> int:
+    """The dK/dV launch's keys: block-sparse, seqlen_k rounded up to whole mask blocks (the kernels
+    take the mask's key blocks in its key_order, whole: key_tile), whose tiles past seqlen_k return
+    at once."""
+    if p.block_mask is not None and isinstance(kernel, (BwdDkdvKernel, TcBwdDkdvKernel)):
+        block_k = p.block_mask.block_size[1]
+        return -(-p.seqlen_k // block_k) * block_k
+    return p.seqlen_k
+
+
+def ring_slots(p: AttentionProblem, kernel, policy: policies.Policy, positions: int, blocks: int) -> int:
+    """Slots of the warp-specialised dK/dV kernel's dQ ring (sm90/bwd_dkdv_ws.cu, wait_for_slot), 0
+    for none: at policy.ring_head_dims where a key block walks policy.ring_min_steps query blocks or
+    more on average, room for twice the slabs that the launch's `blocks` hold items of at once and
+    two being rounded, or policy.ring_bytes if that holds more, never more than the launch's slabs.
+    policy.ring_slabs forces the number."""
+    if kernel.head_dim not in policy.ring_head_dims or not blocks or not p.seqlen_q:
+        return 0
+    density = 1.0 if p.block_mask is None else p.block_mask.density
+    if not policy.ring_slabs and density * math.ceil(p.seqlen_q / kernel.tile.block_m) < policy.ring_min_steps:
+        return 0
+    slabs = p.batch * (p.heads // p.kv_group)
+    if policy.ring_slabs:
+        return min(slabs, policy.ring_slabs)
+    slab_bytes = p.kv_group * p.seqlen_q * p.head_dim * lse_dtype(p.dtype_name).itemsize
+    return min(slabs, max(2 * math.ceil(blocks / positions) + 2, policy.ring_bytes // slab_bytes))
+
+
+def plan_backward(p: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, policy: policies.Policy | None = None,
+                  kernel=None) -> Plan:
+    """The backward's launches on these (validated) arrays: the row preprocess, the decision's first
+    dK/dV kernel whose tensor maps the driver makes (or `kernel`, for tests and tuning), and the dQ
+    kernel or conversion; its workspaces (the row statistics, the float dQ workspace or ring, the
+    counters) allocated."""
+    import cupy
+
+    policy = policy or policies.current()
+    device_id = q.device.id
+    if p.batch == 0 or p.heads == 0:  # nothing to launch over
+        return Plan(None, device_id, [], ())
+    info = devices.info(device_id)
+    lay = layout(q=q, dout=dout, k=k, v=v)
+    key = ("backward decision", device_id, policy, lay)
+    decision = p.memo.get(key)
+    if decision is None:
+        decision = p.memo[key] = decide_backward(p, info, policy, lay)
+    accum = lse_dtype(p.dtype_name)  # the kernels' accumulator type
+    kv_heads = p.heads // p.kv_group
+    lse_log2 = cupy.empty(p.heads * p.total_q, accum)  # row statistics, as row_statistics_strides
+    d = cupy.empty(p.heads * p.total_q, accum)
+    named = (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv))
+    pointers = {"lse": lse.data.ptr, "lse_log2": lse_log2.data.ptr, "d": d.data.ptr, "dq_accum": 0}
+    pointers.update((name, x.data.ptr) for name, x in named)
+
+    def static_fields():
+        fields = {"scale": p.scale}
+        for name, x in named:
+            params.pointer_and_strides(fields, name, x)
+        lse_strides = [stride // lse.dtype.itemsize for stride in lse.strides]
+        if p.cu_seqlens is not None:  # (heads, total_q): a sequence's first row stands for its batch index
+            lse_strides = [lse_strides[1], lse_strides[0], lse_strides[1]]
+        for name, stride in zip(("batch", "head", "row"), lse_strides):
+            fields[f"lse_{name}_stride"] = stride
+        fields["stats_batch_stride"], fields["stats_head_stride"] = params.row_statistics_strides(p)
+        rows_per_batch = 1 if p.cu_seqlens is not None else p.seqlen_q
+        fields["dq_accum_batch_stride"] = rows_per_batch * p.heads * p.head_dim
+        return fields, params.problem_fields(fields, p, device_id)
+
+    # keep_alive: the ALiBi slopes and sequence lengths the struct points to, until the launches are queued
+    record, keep_alive = params.launch_record(
+        p, ("backward", device_id, lse.strides, *(x.strides for _, x in named)), structs.BWD_PARAMS_DTYPE, pointers,
+        static_fields)
+    workspaces = {}
+
+    def dq_workspace(ring: int = 0):
+        """The float dQ workspace (the whole of it; a ring of `ring` slots, kept zeroed per stream),
+        its address in `pointers`."""
+        if ring:
+            elements = p.seqlen_q * ring * p.kv_group * p.head_dim  # (query, slot, head of the group, head dim)
+            if elements * accum.itemsize <= policy.ring_kept_bytes:
+                workspaces["dq"] = workspace.zeroed("dq ring", device_id, elements, accum)
+            else:
+                workspaces["dq"] = cupy.zeros(elements, accum)
+        elif "dq" not in workspaces or workspaces.get("ring"):
+            workspaces["dq"] = cupy.empty((p.total_q, p.heads, p.head_dim), accum)
+        workspaces["ring"] = ring
+        pointers["dq_accum"] = workspaces["dq"].data.ptr
+
+    def query_maps(kernel, ring=0):
+        block_m = kernel.tile.block_m
+        dq_dims = (1, p.seqlen_q, ring * p.kv_group) if ring else None
+        return record.tensor_maps(
+            ("dq q dout", block_m, dq_dims, pointers["dq_accum"], pointers["q"], pointers["dout"]),
+            lambda fields: tma.bwd_tensor_maps(fields, fields["dq_accum"], (p.batch, p.seqlen_q, p.heads),
+                                               p.dtype_name, p.head_dim, block_m, dq_dims),
+            pointers)
+
+    dkdv = None
+    for candidate in ((kernel,) if kernel is not None else decision.kernels):
+        seqlen_k = launch_seqlen_k(p, candidate)
+        if getattr(candidate, "ws", False):
+            positions = candidate.positions(seqlen_k)
+            grid = candidate.grid(p.batch, kv_heads, p.seqlen_q, seqlen_k, sm_count=info.sm_count)
+            ring = ring_slots(p, candidate, policy, positions, grid[0])
+            dq_workspace(ring)
+            maps = query_maps(candidate, ring)
+            kv_maps = None if maps is None else record.tensor_maps(
+                ("k v", candidate.tile.block_n, kv_heads, pointers["k"], pointers["v"]),
+                lambda fields, c=candidate: tma.kv_tensor_maps(fields, (p.batch, p.seqlen_k, kv_heads), p.dtype_name,
+                                                               p.head_dim, c.tile.block_n),
+                pointers)
+            if kv_maps is None:
+                continue
+            counters = workspace.zeroed_counters(device_id, candidate.counters(kv_heads, p.batch))
+            order = 0 if ring else _dkdv_item_order(p, candidate, device_id)
+            extra = (maps, kv_maps, numpy.array(positions, numpy.int32),
+                     numpy.array(positions * kv_heads * p.batch, numpy.int32),
+                     numpy.array(counters.data.ptr, numpy.uint64), numpy.array(ring, numpy.int32),
+                     numpy.array(order, numpy.uint64))
+            dkdv = (candidate, grid, extra)
+            break
+        if not p.deterministic:
+            dq_workspace()
+        extra = ()
+        if isinstance(candidate, WgmmaBwdDkdvKernel):  # the Hopper one-block kernel takes BwdTensorMaps
+            extra = (tma.NO_BWD_MAPS,)
+            if candidate.tma:
+                maps = query_maps(candidate) if "dq" in workspaces and p.cu_seqlens is None else None
+                if maps is None:
+                    continue
+                extra = (maps,)
+        dkdv = (candidate, candidate.grid(p.batch, kv_heads, p.seqlen_q, seqlen_k), extra)
+        break
+    if dkdv is None:
+        raise ValueError(f"no tensor map could be made for {kernel}")  # (only a forced TMA kernel gets here)
+    ring = workspaces.get("ring", 0)
+    dq_accum = workspaces.get("dq")
+    workspace.keep_if_captured(lse_log2, d, dq_accum)  # the workspaces, which a graph's replays use
+    params_image = record.params(pointers)
+
+    launches = []
+
+    def add(kernel, grid, args):
+        if all(grid):  # (seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do)
+            launches.append(Launch(kernel, grid, args))
+
+    preprocess = bwd_row_kernel("preprocess", p.dtype_name, p.seqlen_q)
+    # (no clear with a ring: its slots are zero already)
+    add(preprocess, preprocess.grid(p.batch, p.heads, p.seqlen_q),
+        (record.params({**pointers, "dq_accum": 0}) if ring else params_image,))
+    add(dkdv[0], dkdv[1], (params_image, *dkdv[2]))
+    if not ring:  # the ring's kernel rounds dq itself
+        add(decision.dq, decision.dq.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k), (params_image,))
+    return Plan(decision, device_id, launches, (keep_alive, lse_log2, d, dq_accum))
+
+
+def _dkdv_item_order(p: AttentionProblem, kernel, device_id: int) -> int:
+    """The warp-specialised dK/dV kernel's item_order: the address of the order of its claims on the
+    problem's block mask (BlockMask.dkdv_item_order), or 0 (the launch's own order). Never with a
+    dQ ring: a ring slot's next slab waits for the slab before it to complete, and an order that
+    started later slabs' items early could leave every block waiting."""
+    if p.block_mask is None:
+        return 0
+    block_q, block_k = p.block_mask.block_size
+    t = kernel.tile
+    order = p.block_mask.dkdv_item_order(p.batch, p.heads, p.kv_group, block_k // t.block_n, block_q // t.block_m,
+                                         device_id)
+    return 0 if order is None else order.data.ptr

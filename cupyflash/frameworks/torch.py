@@ -1,0 +1,165 @@
+"""cupyflash attention as a differentiable PyTorch function.
+
+    import cupyflash.torch
+    out = cupyflash.torch.attention(q, k, v, causal=True)   # q, k, v: torch tensors
+    out.sum().backward()                                     # runs cupyflash.attention_backward
+
+Tensors have the layout of `cupyflash.attention`: (batch, seq, heads, head_dim); a
+(batch, heads, seq, head_dim) tensor passes as ``x.transpose(1, 2)`` without a copy. CUDA tensors
+are read in place and the kernels run on PyTorch's current stream of their device; results come
+back through DLPack, without copies. CPU tensors take `cupyflash.attention`'s host path.
+Importing this module imports torch, which cupyflash does not otherwise need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import numbers
+
+import numpy
+import torch
+
+from cupyflash.api import common, varlen
+from cupyflash.frameworks import arrays as frameworks
+from cupyflash.problem import Options
+from cupyflash.validation import BFLOAT16
+
+__all__ = ["attention", "attention_varlen", "FlashAttentionFunction", "FlashAttentionVarlenFunction"]
+
+_CUPY_DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BFLOAT16, torch.float32: numpy.float32,
+                torch.float64: numpy.float64}
+
+
+def attention(
+    q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None, softcap=None,
+    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+):
+    """`cupyflash.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+    alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)` for torch tensors
+    (k, v with fewer heads for GQA/MQA), with a backward pass (`cupyflash.attention_backward`) for
+    autograd. `deterministic=True` makes the gradients bitwise reproducible (see
+    attention_backward). With a `cupyflash.BlockMask` as block_mask,
+    `cupyflash.block_sparse_attention` and its backward. The ALiBi slopes (a tensor or array) get
+    no gradient. With dropout_p > 0 and no seed, the seed is drawn from torch's default generator
+    (`torch.manual_seed` makes it reproducible); the backward reuses it. Returns out only."""
+    if isinstance(alibi_slopes, torch.Tensor):
+        alibi_slopes = alibi_slopes.detach()
+    options = Options(causal=causal, scale=scale, deterministic=deterministic, block_mask=block_mask, window=window,
+                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                      seed=_seed_for(dropout_p, seed), offset=offset)
+    return FlashAttentionFunction.apply(q, k, v, options)
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, scale=None,
+    deterministic=False, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+):
+    """`cupyflash.attention_varlen` for packed torch tensors (total, heads, head_dim) with int32
+    cu_seqlens tensors (or arrays), with `cupyflash.attention_varlen_backward` for autograd
+    (the lengths and ALiBi slopes get no gradient); dropout as `attention`. Returns out only."""
+    dropout = (dropout_p, _seed_for(dropout_p, seed), offset)
+    return FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                              scale, deterministic, window, softcap, alibi_slopes, dropout)
+
+
+def _seed_for(dropout_p, seed):
+    """The seed given, or with dropout and none given, one from torch's default generator."""
+    if seed is None and isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool) and dropout_p > 0:
+        return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    return seed
+
+
+def _as_cupy(x):
+    """A CUDA tensor of a supported dtype as a CuPy array on its memory (which the array keeps
+    alive), other tensors as they are (the generic path: DLPack, and its checks).
+
+    Not DLPack: its import asks torch for the current stream and orders it before CuPy's, in Python,
+    on every tensor (about a third of an adapter call's host time). The adapter runs on torch's
+    current stream (`_on_torch_stream`), so that ordering holds already."""
+    dtype = _CUPY_DTYPES.get(x.dtype)
+    if dtype is None or not x.is_cuda or x.numel() == 0:
+        return x
+    import cupy
+
+    itemsize = x.element_size()
+    shape, strides = tuple(x.shape), x.stride()
+    extent = itemsize * (1 + sum((n - 1) * stride for n, stride in zip(shape, strides)))
+    memory = cupy.cuda.UnownedMemory(x.data_ptr(), extent, x, x.device.index)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        strides=tuple(stride * itemsize for stride in strides))
+
+
+def _as_torch(x):
+    """A result as a torch tensor (DLPack, no copy): CuPy arrays of the inputs `_as_cupy` took in."""
+    return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+
+
+def _on_torch_stream(x):
+    """CuPy's current stream set to PyTorch's current stream on x's device (nothing for CPU)."""
+    if not x.is_cuda:
+        return contextlib.nullcontext()
+    import cupy
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(x.device.index))
+    stream = torch.cuda.current_stream(x.device)
+    stack.enter_context(frameworks.external_stream(stream.cuda_stream, x.device.index))
+    return stack
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Forward: out, lse = cupyflash.attention(...); saves q, k, v, out, lse (O(seqlen) extra).
+    Backward: cupyflash.attention_backward, recomputing the attention matrix tile by tile."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, options: Options):
+        # DLPack refuses tensors that require grad; the kernels only read them.
+        q, k, v = (x.detach() for x in (q, k, v))
+        with _on_torch_stream(q):
+            given = dict(zip(("q", "k", "v"), map(_as_cupy, (q, k, v))))
+            out, lse = common.forward_call(given, dataclasses.replace(options, return_lse=True))
+            out, lse = _as_torch(out), _as_torch(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = (x.detach() for x in ctx.saved_tensors)  # out requires grad
+        dout = dout.detach()
+        if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
+            dout = dout.contiguous()
+        with _on_torch_stream(q):
+            given = dict(zip(common.BACKWARD_ARRAYS, map(_as_cupy, (dout, q, k, v, out, lse))))
+            dq, dk, dv = map(_as_torch, common.backward_call(given, ctx.options))
+        return dq, dk, dv, None
+
+
+class FlashAttentionVarlenFunction(torch.autograd.Function):
+    """As FlashAttentionFunction, for `cupyflash.attention_varlen` and its backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, deterministic,
+                window, softcap, alibi_slopes, dropout=(0.0, None, 0)):
+        q, k, v = (x.detach() for x in (q, k, v))
+        if isinstance(alibi_slopes, torch.Tensor):
+            alibi_slopes = alibi_slopes.detach()
+        cu_seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        options = dict(causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                       dropout_p=dropout[0], seed=dropout[1], offset=dropout[2])
+        with _on_torch_stream(q):
+            out, lse = varlen.attention_varlen(q, k, v, *cu_seqlens, return_lse=True, **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cu_seqlens, ctx.options = cu_seqlens, dict(options, deterministic=deterministic)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = (x.detach() for x in ctx.saved_tensors)
+        dout = dout.detach()
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        with _on_torch_stream(q):
+            dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, *ctx.cu_seqlens, **ctx.options)
+        return (dq, dk, dv) + (None,) * 11
