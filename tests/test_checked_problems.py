@@ -9,7 +9,7 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, validation, reference
+from cupyflash import BlockMask, reference
 from cupyflash.api import common
 from cupyflash.catalog.params import BWD_PARAMS_DTYPE, FWD_PARAMS_DTYPE
 from cupyflash.runtime import launch, params, tma, workspace

@@ -6,7 +6,7 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, validation, reference
+from cupyflash import BlockMask
 from cupyflash.cpu import reference as cpu_reference
 from shapes import DTYPES, bits, numpy_dtype
 from test_attention_gpu import assert_matches_reference

@@ -506,7 +506,8 @@ def test_tma_dq_build_matches_the_atomic_build(rng, policy, monkeypatch, nan_out
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask)
     policy(tma=False)
     atomic = backward()
-    assert not hopper[-1].tma and dataclasses.replace(hopper[-2], tma=False) == hopper[-1]
+    # (the warp-specialised build's cp.async twin is the one-block build)
+    assert not hopper[-1].tma and dataclasses.replace(hopper[-2], tma=False, ws=False) == hopper[-1]
     assert_gradients_match_reference(dout, q, k, v, atomic, dtype, causal, block_mask=mask)
     for got, want in zip(grads[1:], atomic[1:]):
         assert (bits(got.get()) == bits(want.get())).all()

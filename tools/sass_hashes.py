@@ -7,7 +7,8 @@ GPU needed (runtime.compiler.compile_cubin), disassembles each cubin with nvdisa
 nvidia-cuda-nvdisasm wheel has one; --nvdisasm PATH) and writes "arch hash instructions
 name_expression" per build. Two trees' files, diffed by name, say which builds' machine code an
 edit moved: those are the ones a GPU run must cover. Only instructions are hashed (addresses and
-encodings dropped), so kernels renamed without another change hash the same.
+encodings dropped, and the symbols that branches and returns name replaced), so a kernel renamed
+without another change hashes the same.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 
 _ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
+_SYMBOL = re.compile(r"`\([^)]*\)")  # e.g. RET.REL.NODEC R10 `(_ZN9cupyflash...kernel...)
 
 
 def _builds(archs, sources) -> list[tuple[str, int]]:
@@ -44,7 +46,8 @@ def _hash(job) -> str:
         text = subprocess.run([nvdisasm, "-c", fh.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(fh.name)
-    lines = [_ADDRESS.sub("", line).strip() for line in text.splitlines() if _ADDRESS.search(line)]
+    lines = [_SYMBOL.sub("`(symbol)", _ADDRESS.sub("", line)).strip()
+             for line in text.splitlines() if _ADDRESS.search(line)]
     digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()[:16]
     return f"{arch} {digest} {len(lines)} {kernel.name_expression}"
 

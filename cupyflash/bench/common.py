@@ -63,15 +63,13 @@ class Peers:
     def __init__(self, flex: bool):
         self.skipped: dict[str, str] = {}
         try:
-            import torch  # noqa: F401
+            import torch
             from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
         except ImportError as e:
             self.torch = None
             for name in TORCH_BACKENDS:
                 self.skipped[f"torch-{name}"] = f"torch not installed ({e})"
         else:
-            import torch
-
             self.torch = torch
         self.flex = None
         if not flex:

@@ -59,12 +59,13 @@ def check(q, k, v, out, dtype_name) -> tuple[bool, str]:
     """The timed call's output for sequence 0 and the query heads of K/V head 0, against float64
     under the tolerance rule."""
     from cupyflash import reference
+    from cupyflash.cpu.reference import as_float64
 
     group = q.shape[2] // k.shape[2]
     q0, k0, v0 = q[:1, :, :group], k[:1, :, :1], v[:1, :, :1]
     ref = reference.attention(q0, k0, v0)
     lowp = reference.attention_in_precision(q0, k0, v0, numpy.dtype(q.dtype))
-    got = reference._as_float64(out[:1, :, :group])
+    got = as_float64(out[:1, :, :group])
     err = float(numpy.abs(got - ref).max())
     bound = reference.error_bound(ref, lowp, dtype_name, magnitude=reference.output_term_magnitude(q0, k0, v0))
     return err <= bound and not bool(numpy.isnan(got).any()), f"err {err:.2e} <= {bound:.2e}"

@@ -18,7 +18,6 @@ import cProfile
 import gc
 import io
 import pstats
-import sys
 import time
 
 import numpy

@@ -15,14 +15,13 @@ TFLOP/s count only the visible (query, key) pairs: 4 d per pair forward, 2.5x th
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 
 import numpy
 
 import cupyflash
 from cupyflash import reference
 from cupyflash.bench import common
+from cupyflash.cpu.reference import as_float64
 
 
 def visible_pairs(seqlen: int, left, right) -> int:
@@ -42,20 +41,20 @@ def check_head(q, k, v, dout, out, grads, window, causal, dtype, mods):
     group = q.shape[2] // k.shape[2]
     sl = (slice(0, 1), slice(None), slice(0, group))
     kv = (slice(0, 1), slice(None), slice(0, 1))
-    qs, ks, vs, ds = (reference._as_float64(x[s]) for x, s in ((q, sl), (k, kv), (v, kv), (dout, sl)))
+    qs, ks, vs, ds = (as_float64(x[s]) for x, s in ((q, sl), (k, kv), (v, kv), (dout, sl)))
     options = {"causal": causal, "window": window, **mods}
     if mods.get("alibi_slopes") is not None:
-        options["alibi_slopes"] = reference._as_float64(mods["alibi_slopes"])[:group]
+        options["alibi_slopes"] = as_float64(mods["alibi_slopes"])[:group]
     dt = q.dtype
     ok = True
     ref = reference.attention(qs, ks, vs, **options)
     low = reference.attention_in_precision(*(x.astype(dt) for x in (qs, ks, vs)), dt, **options)
-    ok &= numpy.abs(reference._as_float64(out[sl]) - ref).max() <= reference.error_bound(ref, low, dtype)
+    ok &= numpy.abs(as_float64(out[sl]) - ref).max() <= reference.error_bound(ref, low, dtype)
     exact = reference.attention_backward(ds, qs, ks, vs, **options)
     lowp = reference.attention_backward_in_precision(*(x.astype(dt) for x in (ds, qs, ks, vs)), dt, **options)
     # dk, dv of K/V head 0 sum over all of its group's query heads: compare the whole group.
     for got, s, ref_g, low_g in zip(grads, (sl, kv, kv), exact, lowp):
-        ok &= numpy.abs(reference._as_float64(got[s]) - ref_g).max() <= reference.error_bound(ref_g, low_g, dtype)
+        ok &= numpy.abs(as_float64(got[s]) - ref_g).max() <= reference.error_bound(ref_g, low_g, dtype)
     return bool(ok)
 
 

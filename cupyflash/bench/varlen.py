@@ -14,14 +14,13 @@ longest sequence of each batch, forward and backward, head 0, against float64 un
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 
 import numpy
 
 import cupyflash
 from cupyflash import reference
 from cupyflash.bench import common
+from cupyflash.cpu.reference import as_float64
 
 
 def pairs(lq: int, lk: int, causal: bool) -> int:
@@ -33,17 +32,17 @@ def pairs(lq: int, lk: int, causal: bool) -> int:
 def check_sequence(q, k, v, dout, out, lse, grads, rows, keys, causal, dtype) -> bool:
     """Head 0 of one packed sequence against the float64 reference under the 2x rule."""
     group = q.shape[1] // k.shape[1]
-    qs, ds = (reference._as_float64(x[rows, :group])[None] for x in (q, dout))
-    ks, vs = (reference._as_float64(x[keys, :1])[None] for x in (k, v))
+    qs, ds = (as_float64(x[rows, :group])[None] for x in (q, dout))
+    ks, vs = (as_float64(x[keys, :1])[None] for x in (k, v))
     dt = q.dtype
     ref = reference.attention(qs, ks, vs, causal=causal)
     low = reference.attention_in_precision(*(x.astype(dt) for x in (qs, ks, vs)), dt, causal=causal)
-    ok = numpy.abs(reference._as_float64(out[rows, :group])[None] - ref).max() <= reference.error_bound(ref, low, dtype)
+    ok = numpy.abs(as_float64(out[rows, :group])[None] - ref).max() <= reference.error_bound(ref, low, dtype)
     exact = reference.attention_backward(ds, qs, ks, vs, causal=causal)
     lowp = reference.attention_backward_in_precision(*(x.astype(dt) for x in (ds, qs, ks, vs)), dt, causal=causal)
     spans = ((rows, slice(0, group)), (keys, slice(0, 1)), (keys, slice(0, 1)))
     for got, (r, h), ref_g, low_g in zip(grads, spans, exact, lowp):
-        ok &= numpy.abs(reference._as_float64(got[r, h])[None] - ref_g).max() <= reference.error_bound(ref_g, low_g, dtype)
+        ok &= numpy.abs(as_float64(got[r, h])[None] - ref_g).max() <= reference.error_bound(ref_g, low_g, dtype)
     return bool(ok)
 
 

@@ -229,7 +229,7 @@ def tc_dkdv_tile_shape(padded: int, large_smem: bool = False, block_sparse: bool
     if varlen:
         # The variable-length kernel spills 8 bytes at d256 (sm_90a): dK, dV in two column slices.
         # (d224 has no such split of its warps' columns: its problems take this kernel, see
-        # families.backward_kernels.)
+        # families.dkdv_kernel.)
         return TcDkdvTileShape(32, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=2, min_blocks_per_sm=1)
     return TcDkdvTileShape(block_m, 64, num_warps=8, warps_q=2, do_buffers=1, out_split=1, min_blocks_per_sm=1)
 

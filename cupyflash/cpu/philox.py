@@ -1,4 +1,4 @@
-"""Dropout's keep mask: the kernels' Philox4x32-10 generator (kernels/philox.cuh) mirrored in NumPy,
+"""Dropout's keep mask: the kernels' Philox4x32-10 generator (kernels/common/philox.cuh) mirrored in NumPy,
 bit for bit, and `dropout_mask`, which materialises the mask the kernels apply.
 
 Element (query i, key j) of (batch b, head h) is dropped when a 32-bit word W < round(p·2^32), W

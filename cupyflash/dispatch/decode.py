@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy
 
 from cupyflash.catalog import decode_kernel as catalog_decode_kernel
 from cupyflash.catalog.decode import DecodeAppendKernel

@@ -1,7 +1,7 @@
 // Dropout's random numbers: Philox4x32-10 (Salmon et al., "Parallel Random Numbers: As Easy as 1,
 // 2, 3", SC 2011), a counter-based generator: four 32-bit words that are a pure function of a
 // 128-bit counter and a 64-bit key. The forward and both backward kernels regenerate the same keep
-// mask from element coordinates alone, so the mask is never stored; cupyflash/cpu/dropout.py mirrors
+// mask from element coordinates alone, so the mask is never stored; cupyflash/cpu/philox.py mirrors
 // this file in NumPy, bit for bit (and the tests check it against Random123's known answers).
 #pragma once
 #include "common/numeric.cuh"
