@@ -12,7 +12,7 @@
 //     block, recomputes P_ij and dP_ij and sums dQ_i over the key blocks in a fixed order, with no
 //     atomics.
 #include "sm80/traits.cuh"
-#include "tc/bwd_loads.cuh"
+#include "tc/bwd_steps.cuh"
 #include "sm80/gemm.cuh"
 
 namespace cupyflash {
@@ -164,62 +164,9 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             zero(St);
             gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
                 St, sK_warp, sQ_i + warp_queries * kStride * 2, lane);
-            if (keys_valid < Bt::kBlockN ||
-                (kIsLocal && band_cuts(params, q_row0, min(Bt::kBlockM, params.seqlen_q - q_row0), key0, keys_valid)))
-                mask_fragments<kIsLocal, true>(St, key0 + warp_keys, q_row0 + warp_queries, params, f);
-            // kScoreMod: P^T of the modified scores, and P^T ∘ dx (the modifier's derivative) rounded
-            // as dS's factor in place of P^T: no fp32 tile outlives this loop.
-            unsigned Pt_dx[Bt::kMTiles][Bt::kNTiles / 2][4];
-            if constexpr (kScoreMod) {
-                // ALiBi's query + diagonal - key at this lane's first element; the others add a constant.
-                const float offset0 = mod.offset(q_row0 + warp_queries + f.col(0, 0), key0 + warp_keys + f.row(0, 0));
-                const auto modified_probabilities = [&](auto softcap) {
-                    constexpr bool kSoftcap = decltype(softcap)::value;
-#pragma unroll
-                    for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-                        const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + warp_queries + f.col(nt, 0));
-#pragma unroll
-                        for (int mt = 0; mt < Bt::kMTiles; ++mt)
-#pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                const float offset = offset0 + static_cast<float>(8 * nt - 16 * mt - 8 * h);
-                                float dx0, dx1;
-                                const float x0 = mod.template apply_at<true, kSoftcap>(St[mt][nt][2 * h] * scale_log2,
-                                                                                       fabsf(offset), dx0);
-                                const float x1 = mod.template apply_at<true, kSoftcap>(
-                                    St[mt][nt][2 * h + 1] * scale_log2, fabsf(offset + 1.f), dx1);
-                                St[mt][nt][2 * h] = exp2f(x0 - lse2.x);
-                                St[mt][nt][2 * h + 1] = exp2f(x1 - lse2.y);
-                                Pt_dx[mt][nt / 2][(nt % 2) * 2 + h] =
-                                    Op::pack(St[mt][nt][2 * h] * dx0, St[mt][nt][2 * h + 1] * dx1);
-                            }
-                    }
-                };
-                if (mod.softcap())
-                    modified_probabilities(BoolConstant<true>());
-                else
-                    modified_probabilities(BoolConstant<false>());
-                // Dropout (scalar/bwd_steps.cuh): a dropped P^T is 0 for dV_j, and its factor of dS carries
-                // the drop in its sign, P^T ∘ dx >= 0 being negated.
-                if (dropout.active())
-                    for_dropped<true, Bt::kMTiles, Bt::kNTiles>(
-                        dropout, key0 + warp_keys, q_row0 + warp_queries, f, [&](int mt, int nt, int i) {
-                            St[mt][nt][i] = 0.f;
-                            Pt_dx[mt][nt / 2][(nt % 2) * 2 + i / 2] ^= i % 2 ? 0x80000000u : 0x8000u;  // sign bit
-                        });
-            } else {
-#pragma unroll
-                for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-                    const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + warp_queries + f.col(nt, 0));
-#pragma unroll
-                    for (int mt = 0; mt < Bt::kMTiles; ++mt)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            St[mt][nt][2 * h] = exp2f(fmaf(St[mt][nt][2 * h], scale_log2, -lse2.x));
-                            St[mt][nt][2 * h + 1] = exp2f(fmaf(St[mt][nt][2 * h + 1], scale_log2, -lse2.y));
-                        }
-                }
-            }
+            unsigned Pt_dx[Bt::kMTiles][Bt::kNTiles / 2][4];  // kScoreMod: dS's factor P^T ∘ dx
+            probabilities_t<Bt, kIsLocal, kScoreMod>(St, Pt_dx, params, mod, dropout, sLse2_i, scale_log2, q_row0, key0,
+                                                     keys_valid, warp_keys, warp_queries, f);
 
             // dV_j += P^T dO_i over this warp's queries. P^T is rounded to the input type first, as
             // the product takes it, and dS below reuses the rounded values: the fp32 scores are then
@@ -234,24 +181,8 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             zero(dPt);
             gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
                 dPt, sV_warp, sdO_i + warp_queries * kStride * 2, lane);
-#pragma unroll
-            for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-                const float2 d_i = *reinterpret_cast<const float2*>(sD_i + warp_queries + f.col(nt, 0));
-#pragma unroll
-                for (int mt = 0; mt < Bt::kMTiles; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        // A fragment register r holds rows h = r % 2 of n8 tile 2kk + r / 2.
-                        const float2 p = Op::unpack((kScoreMod ? Pt_dx : Pt)[mt][nt / 2][(nt % 2) * 2 + h]);
-                        if constexpr (kScoreMod) {  // dropped (negative): -D_i' instead of dP - D_i'
-                            dPt[mt][nt][2 * h] = p.x * (p.x >= 0.f ? dPt[mt][nt][2 * h] - d_i.x : d_i.x);
-                            dPt[mt][nt][2 * h + 1] = p.y * (p.y >= 0.f ? dPt[mt][nt][2 * h + 1] - d_i.y : d_i.y);
-                        } else {
-                            dPt[mt][nt][2 * h] = p.x * (dPt[mt][nt][2 * h] - d_i.x);
-                            dPt[mt][nt][2 * h + 1] = p.y * (dPt[mt][nt][2 * h + 1] - d_i.y);
-                        }
-                    }
-            }
+            scores_gradient_t<Bt, kScoreMod>(dPt, kScoreMod ? Pt_dx : Pt, sD_i, warp_queries, f);
+
 
             // dK_j += dS^T Q_i over this warp's queries; dS^T also goes to shared memory for dQ_i.
             unsigned dSt[Bt::kMTiles][Bt::kNTiles / 2][4];

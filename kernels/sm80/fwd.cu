@@ -8,9 +8,11 @@
 //   - K_j and V_j stream in through cp.async, each loaded while the other is being used;
 //   - scores stay unscaled in the products; scale·log2(e) is folded into exp2's argument.
 // A warp holds whole rows of S_ij and O_i in mma.sync's fragment layout, so the online softmax,
-// masks, score modifiers, dropout and epilogue are tc/fragments.cuh's, shared with sm90/.
+// masks, score modifiers, dropout and epilogue (tc/fwd_steps.cuh, tc/fragments.cuh) are shared with
+// sm90/.
 #include "sm80/traits.cuh"
 #include "sm80/gemm.cuh"
+#include "tc/fwd_steps.cuh"
 
 namespace cupyflash {
 
@@ -56,11 +58,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
     float O[Kt::kMTiles][Kt::kHeadDim / 8][4];
     float m[Kt::kMTiles][2], l[Kt::kMTiles][2];
-    zero(O);
-#pragma unroll
-    for (int mt = 0; mt < Kt::kMTiles; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) m[mt][h] = neg_inf<float>(), l[mt][h] = 0.f;
+    init_row_state<Kt>(O, m, l);
 
     // (Dense and not local, the first tile is written as the dense kernel always had it, 0:
     // indexing the dense sequence means the same, yet NVRTC then schedules the whole loop differently.)
@@ -100,22 +98,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         zero(S);
         gemm_abt_ss<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride, Kt::kStride>(
             S, sQ + warp * Kt::kWarpRows * Kt::kStride * 2, sK, lane);
-        if (keys_valid < Kt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid)))
-            mask_fragments<kIsLocal, false>(S, warp_row0, col0, params, f);
-        if constexpr (kScoreMod) {
-            // S becomes the modified scores in log2 units, which the softmax takes unscaled.
-            if (mod.softcap())
-                score_mod_fragments<true>(S, mod, scale_log2, warp_row0, col0, f);
-            else
-                score_mod_fragments<false>(S, mod, scale_log2, warp_row0, col0, f);
-            online_softmax_tc<Kt>(S, O, m, l, 1.f);
-            // P_ij ∘ Z_ij after l_i took every probability in (apply_dropout in scalar/fwd_steps.cuh).
-            if (dropout.active())
-                for_dropped<false, Kt::kMTiles, Kt::kNTiles>(dropout, warp_row0, col0, f,
-                                                             [&](int mt, int nt, int i) { S[mt][nt][i] = 0.f; });
-        } else {
-            online_softmax_tc<Kt, false>(S, O, m, l, scale_log2);
-        }
+        softmax_step<Kt, kIsLocal, kScoreMod, false>(S, O, m, l, params, mod, dropout, scale_log2, row0, rows_valid,
+                                                     warp_row0, col0, keys_valid, f);
         unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
         to_a_fragments<Op>(S, P);
 

@@ -2,7 +2,7 @@
 // TMA, and dQ_i's 64 x 64 shares, added to the float32 workspace by atomics or by the TMA.
 #pragma once
 #include "sm90/wgmma.cuh"
-#include "tc/bwd_loads.cuh"
+#include "tc/bwd_steps.cuh"
 
 namespace cupyflash {
 

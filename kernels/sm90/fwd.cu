@@ -3,9 +3,10 @@
 // descriptors, 64 query rows per warpgroup (sm90/wgmma.cuh). K_j and V_j stream in through cp.async,
 // or in the TMA builds through the tensor memory accelerator, each loaded while the other is being
 // used. A warp holds 16 rows of S_ij and O_i in mma.sync's fragment layout, so the online softmax,
-// masks, score modifiers, dropout and epilogue are tc/fragments.cuh's, shared with sm80/. The
-// warp-specialised, persistent form of the unmasked forward is sm90/fwd_ws.cu.
+// masks, score modifiers, dropout and epilogue (tc/fwd_steps.cuh, tc/fragments.cuh) are shared with
+// sm80/. The warp-specialised, persistent form of the unmasked forward is sm90/fwd_ws.cu.
 #include "sm90/wgmma.cuh"
+#include "tc/fwd_steps.cuh"
 
 namespace cupyflash {
 
@@ -59,11 +60,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
     float O[Kt::kMTiles][Kt::kHeadDim / 8][4];
     float m[Kt::kMTiles][2], l[Kt::kMTiles][2];
-    zero(O);
-#pragma unroll
-    for (int mt = 0; mt < Kt::kMTiles; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) m[mt][h] = neg_inf<float>(), l[mt][h] = 0.f;
+    init_row_state<Kt>(O, m, l);
 
     // (Dense and not local, the first tile is written as the dense kernel always had it, 0:
     // indexing the dense sequence means the same, yet NVRTC then schedules the whole loop differently.)
@@ -126,25 +123,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         float S[Kt::kMTiles][Kt::kNTiles][4];
         // This warpgroup's 64 rows of Q_i against all of K_j.
         wgmma_abt<Kt, Kt::kBlockN, Kt::kBlockM>(S[0], sQ + Kt::row_bytes(64 * (warp / 4)), sK);
-        if (keys_valid < Kt::kBlockN || (kIsLocal && band_cuts(params, row0, rows_valid, col0, keys_valid)))
-            mask_fragments<kIsLocal, false>(S, warp_row0, col0, params, f);
-        if constexpr (kScoreMod) {
-            // S becomes the modified scores in log2 units, which the softmax takes unscaled.
-            if (mod.softcap())
-                score_mod_fragments<true>(S, mod, scale_log2, warp_row0, col0, f);
-            else
-                score_mod_fragments<false>(S, mod, scale_log2, warp_row0, col0, f);
-            online_softmax_tc<Kt>(S, O, m, l, 1.f);
-            // P_ij ∘ Z_ij after l_i took every probability in (apply_dropout in scalar/fwd_steps.cuh).
-            if (dropout.active())
-                for_dropped<false, Kt::kMTiles, Kt::kNTiles>(dropout, warp_row0, col0, f,
-                                                             [&](int mt, int nt, int i) { S[mt][nt][i] = 0.f; });
-        } else {
-            // Lazy rescaling (online_softmax_tc) where other blocks on the SM work through the
-            // vote's branch: d64, three blocks per SM. (Its local builds spill 12-56 bytes with it.)
-            constexpr bool kLazy = Kt::kMinBlocksPerSm > 1 && !kIsLocal;
-            online_softmax_tc<Kt, kLazy>(S, O, m, l, scale_log2);
-        }
+        // Lazy rescaling (online_softmax_tc) where other blocks on the SM work through the vote's
+        // branch: d64, three blocks per SM. (Its local builds spill 12-56 bytes with it.)
+        constexpr bool kLazy = Kt::kMinBlocksPerSm > 1 && !kIsLocal;
+        softmax_step<Kt, kIsLocal, kScoreMod, kLazy>(S, O, m, l, params, mod, dropout, scale_log2, row0, rows_valid,
+                                                     warp_row0, col0, keys_valid, f);
         unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
         to_a_fragments<Op>(S, P);
 
