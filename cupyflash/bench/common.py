@@ -57,6 +57,24 @@ def median_ms(fn, max_seconds: float) -> float:
     return float(numpy.median(times))
 
 
+def within_bounds(results, dtype_name: str) -> tuple[bool, str]:
+    """(passed, "name err/bound, ...") for rows (name, got, exact, baseline): the float64 reference
+    `exact` and the same computation in the input precision `baseline`, under the tolerance rule
+    (`reference.error_bound`). Arrays may be NumPy or CuPy, of any dtype."""
+    import cupy
+
+    from cupyflash import reference
+
+    worst, parts = 0.0, []
+    for name, got, exact, baseline in results:
+        exact64 = cupy.asnumpy(exact).astype(numpy.float64)
+        err = float(numpy.abs(cupy.asnumpy(got).astype(numpy.float64) - exact64).max())
+        bound = reference.error_bound(exact64, cupy.asnumpy(baseline), dtype_name)
+        worst = max(worst, err / bound)
+        parts.append(f"{name} {err:.1e}/{bound:.1e}")
+    return worst <= 1.0, ", ".join(parts)
+
+
 class Peers:
     """What can be timed here: names -> None (available) or the reason it is skipped."""
 

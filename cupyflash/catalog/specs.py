@@ -17,6 +17,7 @@ from cupyflash.catalog import tiles
 from cupyflash.catalog.tiles import ELEMENT_TYPES, accum_itemsize, row_stride
 
 
+@dataclasses.dataclass(frozen=True)
 class TiledKernel:
     """What the attention kernels share. Their traits' template arguments are the element type, the
     padded head dim and the tile shape's fields in declaration order; the kernel's are the traits,
@@ -25,8 +26,16 @@ class TiledKernel:
     both); block_sparse: the one that walks a block mask's lists; score_mod: softcap, ALiBi and
     dropout (always with local, whose band also covers an unbanded problem); varlen:
     variable-length batches (always with local and score_mod, dense: one instantiation serves
-    every varlen problem). Subclasses give source_file, kernel_name, traits_name, tile,
-    smem_bytes and grid."""
+    every varlen problem). tile_override: a tile shape in place of the traits table's (tuning,
+    tests). Subclasses give source_file, kernel_name, traits_name, tile, smem_bytes and grid."""
+
+    dtype_name: str
+    head_dim: int  # padded
+    local: bool
+    tile_override: object = None  # None: the traits table's tile
+    block_sparse: bool = False
+    score_mod: bool = False
+    varlen: bool = False
 
     per_kv_head = False  # grid over query heads (True: over K/V heads, the dK/dV kernels)
     family = "scalar"  # the planner's name for the kernels this one sits among
@@ -67,14 +76,6 @@ def smem_check(traits: str, constant: str, smem_bytes: int, traits_name: str) ->
 @dataclasses.dataclass(frozen=True)
 class FwdKernel(TiledKernel):
     """kernels/scalar/fwd.cu's flash_fwd_kernel."""
-
-    dtype_name: str
-    head_dim: int  # padded
-    local: bool
-    tile_override: tiles.TileShape | None = None  # for tuning; None: the traits table
-    block_sparse: bool = False
-    score_mod: bool = False
-    varlen: bool = False
 
     source_file = "scalar/fwd.cu"
     kernel_name = "flash_fwd_kernel"
@@ -126,13 +127,6 @@ class DropoutMaskKernel:
 class BwdDkdvKernel(TiledKernel):
     """kernels/scalar/bwd.cu's flash_bwd_dkdv_kernel: one block per key block."""
 
-    dtype_name: str
-    head_dim: int  # padded
-    local: bool
-    block_sparse: bool = False
-    score_mod: bool = False
-    varlen: bool = False
-
     source_file = "scalar/bwd.cu"
     kernel_name = "flash_bwd_dkdv_kernel"
     traits_name = "BwdDkdvTraits"
@@ -140,7 +134,8 @@ class BwdDkdvKernel(TiledKernel):
 
     @functools.cached_property
     def tile(self) -> tiles.DkdvTileShape:
-        return tiles.dkdv_tile_shape(self.dtype_name, self.head_dim, self.block_sparse or self.score_mod, self.varlen)
+        return self.tile_override or tiles.dkdv_tile_shape(self.dtype_name, self.head_dim,
+                                                           self.block_sparse or self.score_mod, self.varlen)
 
     @functools.cached_property
     def smem_bytes(self) -> int:
@@ -159,20 +154,13 @@ class BwdDkdvKernel(TiledKernel):
 class BwdDqKernel(TiledKernel):
     """kernels/scalar/bwd.cu's flash_bwd_dq_kernel (deterministic mode): one block per query block."""
 
-    dtype_name: str
-    head_dim: int  # padded
-    local: bool
-    block_sparse: bool = False
-    score_mod: bool = False
-    varlen: bool = False
-
     source_file = "scalar/bwd.cu"
     kernel_name = "flash_bwd_dq_kernel"
     traits_name = "BwdDqTraits"
 
     @functools.cached_property
     def tile(self) -> tiles.TileShape:
-        return tiles.dq_tile_shape(self.dtype_name, self.head_dim, self.varlen)
+        return self.tile_override or tiles.dq_tile_shape(self.dtype_name, self.head_dim, self.varlen)
 
     @functools.cached_property
     def smem_bytes(self) -> int:

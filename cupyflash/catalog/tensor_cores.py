@@ -19,16 +19,8 @@ def _tc_tile_bytes(rows: int, columns: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TcKernel(TiledKernel):
-    """What the tensor-core kernels share: their fields and a tile from their traits table
-    (`tile_table`, a function of the padded head dim) unless overridden."""
-
-    dtype_name: str
-    head_dim: int  # padded
-    local: bool
-    tile_override: tiles.TcTileShape | tiles.TcDkdvTileShape | tiles.TcBwdTileShape | None = None  # None: the table
-    block_sparse: bool = False
-    score_mod: bool = False
-    varlen: bool = False
+    """What the tensor-core kernels share: a tile from their traits table (`tile_table`, a function
+    of the padded head dim) unless overridden."""
 
     family = "sm80"
 

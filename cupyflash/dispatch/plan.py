@@ -124,42 +124,61 @@ def _no_kernel(p: AttentionProblem, device: devices.DeviceInfo, choices: list) -
 # --------------------------------------------------------------------------- forward
 
 
-def decide_forward(p: AttentionProblem, device: devices.DeviceInfo, policy: policies.Policy, lay: tuple) -> Decision:
-    """The forward's families for the problem, best first, and why each was taken or not (only
-    those of policy.families are considered)."""
-    d = tiles.padded_head_dim(p.head_dim)
-    q_dims, kv_dims = (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group)
+_TMA_FAMILIES = ("sm90-tma", "sm90-ws")  # the builds that take tensor maps
+
+
+def _unmappable(lay: tuple, names: tuple, dims: dict) -> str | None:
+    """Why the named arrays cannot all take a tensor map (None: they can)."""
+    bad = [n for n in names if not _describable(lay, n, dims[n])]
+    if bad:
+        return f"{', '.join(bad)} cannot take a tensor map (a base 16-byte aligned, strides multiples of 16 bytes)"
+    return None
+
+
+def _choose(p: AttentionProblem, device: devices.DeviceInfo, policy: policies.Policy, make, verdict) -> tuple:
+    """Each family's kernel for the problem (make(family), or Unavailable) and its verdict (the
+    device's, then verdict(family), then whether it fits: None is taken), best first, until a family
+    that needs no tensor map is taken. Returns (the kernels taken, the verdicts)."""
     kernels, choices = [], []
     for family in FAMILIES:
         if family not in policy.families:
             choices.append(Choice(family, None, False, "left out by the policy"))
             continue
         try:
-            kernel = forward_kernel(family, p.dtype_name, p.head_dim, _variant(p))
+            kernel = make(family)
         except Unavailable as e:
             choices.append(Choice(family, None, False, str(e)))
             continue
-        reason = _device_verdict(family, p, device)
-        if reason is None and family.startswith("sm90") and not policy.hopper_forward:
-            reason = "switched off (CUPYFLASH_HOPPER_FORWARD=0)"
-        if reason is None and family in ("sm90-tma", "sm90-ws") and not policy.tma:
-            reason = "switched off (CUPYFLASH_HOPPER_TMA=0)"
-        if reason is None and family == "sm90-ws":
-            reason = _ws_forward_verdict(p, d, policy)
-        if reason is None and family in ("sm90-tma", "sm90-ws"):
-            names = ("q", "k", "v", "o") if family == "sm90-ws" else ("k", "v")
-            dims = {"q": q_dims, "o": q_dims, "k": kv_dims, "v": kv_dims}
-            bad = [n for n in names if not _describable(lay, n, dims[n])]
-            if bad:
-                reason = (f"{', '.join(bad)} cannot take a tensor map (a base 16-byte aligned, strides multiples of "
-                          f"16 bytes)")
-        reason = reason or _fits(kernel, device)
+        reason = _device_verdict(family, p, device) or verdict(family) or _fits(kernel, device)
         choices.append(Choice(family, kernel, reason is None, reason or "taken"))
         if reason is None:
             kernels.append(kernel)
-            if family not in ("sm90-tma", "sm90-ws"):
+            if family not in _TMA_FAMILIES:
                 break  # needs no tensor map: nothing after it is ever taken
-    return Decision("forward", tuple(kernels), _verdicts(p, device, kernels, choices))
+    return kernels, _verdicts(p, device, kernels, choices)
+
+
+def decide_forward(p: AttentionProblem, device: devices.DeviceInfo, policy: policies.Policy, lay: tuple) -> Decision:
+    """The forward's families for the problem, best first, and why each was taken or not (only
+    those of policy.families are considered)."""
+    d = tiles.padded_head_dim(p.head_dim)
+    q_dims, kv_dims = (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group)
+
+    def verdict(family: str) -> str | None:
+        if family.startswith("sm90") and not policy.hopper_forward:
+            return "switched off (CUPYFLASH_HOPPER_FORWARD=0)"
+        if family not in _TMA_FAMILIES:
+            return None
+        if not policy.tma:
+            return "switched off (CUPYFLASH_HOPPER_TMA=0)"
+        if family == "sm90-ws" and (why := _ws_forward_verdict(p, d, policy)):
+            return why
+        names = ("q", "k", "v", "o") if family == "sm90-ws" else ("k", "v")
+        return _unmappable(lay, names, {"q": q_dims, "o": q_dims, "k": kv_dims, "v": kv_dims})
+
+    kernels, choices = _choose(p, device, policy, lambda family: forward_kernel(family, p.dtype_name, p.head_dim,
+                                                                                _variant(p)), verdict)
+    return Decision("forward", tuple(kernels), choices)
 
 
 def _ws_forward_verdict(p: AttentionProblem, d: int, policy: policies.Policy) -> str | None:
@@ -257,43 +276,29 @@ def decide_backward(p: AttentionProblem, device: devices.DeviceInfo, policy: pol
     q_dims, kv_dims = (p.batch, p.seqlen_q, p.heads), (p.batch, p.seqlen_k, p.heads // p.kv_group)
     density = None if p.block_mask is None else p.block_mask.density
     large_smem = device.smem_per_block >= tiles.SMEM_H100
-    kernels, choices = [], []
-    for family in FAMILIES:
-        if family not in policy.families:
-            choices.append(Choice(family, None, False, "left out by the policy"))
-            continue
-        try:
-            kernel = dkdv_kernel(family, p.dtype_name, p.head_dim, _variant(p), large_smem and family == "sm80")
-        except Unavailable as e:
-            choices.append(Choice(family, None, False, str(e)))
-            continue
-        reason = _device_verdict(family, p, device)
-        if reason is None and family.startswith("sm90") and not policy.hopper_backward:
-            reason = "switched off (CUPYFLASH_HOPPER_BACKWARD=0)"
-        if reason is None and family in ("sm90-tma", "sm90-ws"):
-            if not policy.tma:
-                reason = "switched off (CUPYFLASH_HOPPER_TMA=0)"
-            elif p.deterministic:
-                reason = "deterministic: its dQ adds go through the float workspace, which that mode has not"
-            elif p.head_dim % 4:
-                reason = "the float dQ workspace's rows are not 16-byte multiples (head_dim % 4 != 0)"
-            else:
-                names = ("q", "dout", "k", "v") if family == "sm90-ws" else ("q", "dout")
-                dims = {"q": q_dims, "dout": q_dims, "k": kv_dims, "v": kv_dims}
-                bad = [n for n in names if not _describable(lay, n, dims[n])]
-                if bad:
-                    reason = (f"{', '.join(bad)} cannot take a tensor map (a base 16-byte aligned, strides multiples "
-                              f"of 16 bytes)")
-        if reason is None and family == "sm90-ws":
-            takes, why = policy.ws_backward_for(d, density, p.seqlen_q)
-            reason = None if takes else f"not by the rule: {why}"
-        reason = reason or _fits(kernel, device)
-        choices.append(Choice(family, kernel, reason is None, reason or "taken"))
-        if reason is None:
-            kernels.append(kernel)
-            if family not in ("sm90-tma", "sm90-ws"):
-                break  # needs no tensor map: nothing after it is ever taken
-    choices = _verdicts(p, device, kernels, choices)
+
+    def verdict(family: str) -> str | None:
+        if family.startswith("sm90") and not policy.hopper_backward:
+            return "switched off (CUPYFLASH_HOPPER_BACKWARD=0)"
+        if family not in _TMA_FAMILIES:
+            return None
+        if not policy.tma:
+            return "switched off (CUPYFLASH_HOPPER_TMA=0)"
+        if p.deterministic:
+            return "deterministic: its dQ adds go through the float workspace, which that mode has not"
+        if p.head_dim % 4:
+            return "the float dQ workspace's rows are not 16-byte multiples (head_dim % 4 != 0)"
+        names = ("q", "dout", "k", "v") if family == "sm90-ws" else ("q", "dout")
+        why = _unmappable(lay, names, {"q": q_dims, "dout": q_dims, "k": kv_dims, "v": kv_dims})
+        if why or family != "sm90-ws":
+            return why
+        takes, rule = policy.ws_backward_for(d, density, p.seqlen_q)
+        return None if takes else f"not by the rule: {rule}"
+
+    kernels, choices = _choose(
+        p, device, policy,
+        lambda family: dkdv_kernel(family, p.dtype_name, p.head_dim, _variant(p), large_smem and family == "sm80"),
+        verdict)
     if p.deterministic:
         tensor_cores = kernels[-1].family != "scalar"
         dq = dq_kernel(tensor_cores, p.dtype_name, p.head_dim, _variant(p))
@@ -301,7 +306,7 @@ def decide_backward(p: AttentionProblem, device: devices.DeviceInfo, policy: pol
             raise _no_kernel(p, device, [Choice("scalar", dq, False, _fits(dq, device))])
     else:
         dq = bwd_row_kernel("convert_dq", p.dtype_name, p.seqlen_q)
-    return Decision("backward", tuple(kernels), tuple(choices), dq)
+    return Decision("backward", tuple(kernels), choices, dq)
 
 
 def launch_seqlen_k(p: AttentionProblem, kernel) -> int:

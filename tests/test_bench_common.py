@@ -1,0 +1,30 @@
+"""The benchmarks' correctness gate (cupyflash/bench/common.py), on the host: a result passes the
+tolerance rule when its error is within twice the in-precision baseline's plus the noise floor,
+and fails above it."""
+
+import numpy
+
+from cupyflash.bench import common
+from cupyflash.cpu import reference
+
+
+def test_within_bounds_scores_each_result_against_the_rule(rng):
+    exact = rng.standard_normal((64, 8))
+    baseline = exact + 1e-3 * rng.standard_normal(exact.shape)
+    bound = reference.error_bound(exact, baseline, "bfloat16")
+    good = exact + 0.9 * bound
+    bad = exact.copy()
+    bad[3, 5] += 1.1 * bound
+    ok, message = common.within_bounds([("out", good, exact, baseline), ("dq", exact, exact, baseline)], "bfloat16")
+    assert ok and message.startswith("out ") and ", dq 0.0e+00/" in message
+    ok, message = common.within_bounds([("out", exact, exact, baseline), ("dk", bad, exact, baseline)], "bfloat16")
+    assert not ok and f"dk {1.1 * bound:.1e}/{bound:.1e}" in message
+
+
+def test_within_bounds_takes_16_bit_results():
+    import ml_dtypes
+
+    exact = numpy.linspace(-1, 1, 33)
+    rounded = exact.astype(ml_dtypes.bfloat16)
+    ok, _ = common.within_bounds([("out", rounded, exact, rounded)], "bfloat16")
+    assert ok
