@@ -8,6 +8,7 @@ timing, the peers and the result files).
     --varlen      packed variable-length batches against padding and FlashAttention-2's varlen (varlen.py)
     --variants    GQA, windows, softcap, ALiBi, dropout against dense causal attention (variants.py)
     --host        the host's time per call, beside SDPA's and the torch adapter's (host.py)
+    --accuracy    16-bit errors against float64 beside FlashAttention-2's, on random problems (accuracy.py)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-GRIDS = {"sparse": "sparse", "decode": "decode", "varlen": "varlen", "variants": "variants", "host": "host"}
+GRIDS = {"sparse": "sparse", "decode": "decode", "varlen": "varlen", "variants": "variants", "host": "host", "accuracy": "accuracy"}
 
 
 def main(argv) -> int:

@@ -3,12 +3,16 @@
 CuPy's on-disk cache keys on the `code` string, not on files pulled in with -I, so the .cuh
 headers are inlined into the source text here: editing any header changes the key and recompiles.
 Include paths are relative to the kernels/ folder (`#include "common/numeric.cuh"`).
+
+CUPYFLASH_LINEINFO=1 (read at each compile) adds -lineinfo, so that compute-sanitizer's and
+Nsight's reports name source lines (tools/sanitize.py sets it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pathlib
 import re
 
@@ -62,6 +66,10 @@ def _source_for(kernels) -> str:
 # --------------------------------------------------------------------------- run time (a GPU)
 
 
+def _lineinfo() -> tuple:
+    return ("-lineinfo",) if os.environ.get("CUPYFLASH_LINEINFO", "0") != "0" else ()
+
+
 @functools.cache
 def get_function(kernel, device_id: int):
     """The compiled kernel for the device, memoised; raises ValueError if its tiles cannot fit."""
@@ -77,7 +85,7 @@ def get_function(kernel, device_id: int):
             )
         # A kernel built for one architecture's own features (wgmma: sm_90a) names it; NVRTC takes
         # that over the -arch CuPy adds from the device.
-        options = COMPILE_OPTIONS + kernel.compile_options
+        options = COMPILE_OPTIONS + kernel.compile_options + _lineinfo()
         module = cupy.RawModule(code=_source_for([kernel]), options=options, name_expressions=[kernel.name_expression])
         function = module.get_function(kernel.name_expression)
         if kernel.smem_bytes > 48 * 1024:  # above 48 KiB a launch needs the opt-in attribute
