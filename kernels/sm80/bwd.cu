@@ -168,9 +168,9 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             probabilities_t<Bt, kIsLocal, kScoreMod>(St, Pt_dx, params, mod, dropout, sLse2_i, scale_log2, q_row0, key0,
                                                      keys_valid, warp_keys, warp_queries, f);
 
-            // dV_j += P^T dO_i over this warp's queries. P^T is rounded to the input type first, as
-            // the product takes it, and dS below reuses the rounded values: the fp32 scores are then
-            // dead before dP^T is formed, which keeps dK_j, dV_j and both score tiles in registers.
+            // dV_j += P^T dO_i over this warp's queries, P^T rounded to the input type as the product
+            // takes it; dS below takes P^T in float32 (scores_gradient_t; with score modifiers, the
+            // rounded P^T ∘ dx).
             unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4];
             to_a_fragments<Op>(St, Pt);
             if (Bt::kWarpsQ > 1) store_a_fragments<kPStride>(sPt_warp + warp_queries * 2, Pt, f);
@@ -181,7 +181,10 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             zero(dPt);
             gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
                 dPt, sV_warp, sdO_i + warp_queries * kStride * 2, lane);
-            scores_gradient_t<Bt, kScoreMod>(dPt, kScoreMod ? Pt_dx : Pt, sD_i, warp_queries, f);
+            if constexpr (kScoreMod)
+                modified_scores_gradient_t<Bt>(dPt, Pt_dx, sD_i, warp_queries, f);
+            else
+                scores_gradient_t(dPt, St, sD_i, warp_queries, f);
 
 
             // dK_j += dS^T Q_i over this warp's queries; dS^T also goes to shared memory for dQ_i.

@@ -176,11 +176,12 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             probabilities_t<Bt, kIsLocal, kScoreMod>(St, Pt_dx, params, mod, dropout, sLse2_i, scale_log2, q_row0, key0,
                                                      keys_valid, warp_keys, warp_queries, f);
 
-            // dV_j += P^T dO_i over this warp's queries. P^T is rounded to the input type first, as
-            // the product takes it, and dS below reuses the rounded values: the fp32 scores are then
-            // dead before dP^T is formed, which keeps dK_j, dV_j and both score tiles in registers.
-            unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4];
+            // dV_j += P^T dO_i over this warp's queries, P^T rounded to the input type as the product
+            // takes it; dS below takes P^T from that rounding and its remainders (bwd_steps.cuh's
+            // p_remainders: float32 P^T spilled; with score modifiers, the rounded P^T ∘ dx).
+            unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4], Rt[Bt::kMTiles][Bt::kNTiles / 2][2];
             to_a_fragments<Op>(St, Pt);
+            if constexpr (!kScoreMod) p_remainders<Op>(St, Pt, Rt);
             // kOverlap: left running while dS^T is formed
             wgmma_ab_rs<Bt, Bt::kBlockM, !kOverlap>(dV[0], Pt[0], sdO_i);
 
@@ -191,7 +192,10 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
                 wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN>(dPt[0], sV + Bt::row_bytes(64 * (warp / 4)), sdO_i);
             }
             fence_operands(dPt[0]);
-            scores_gradient_t<Bt, kScoreMod>(dPt, kScoreMod ? Pt_dx : Pt, sD_i, warp_queries, f);
+            if constexpr (kScoreMod)
+                modified_scores_gradient_t<Bt>(dPt, Pt_dx, sD_i, warp_queries, f);
+            else
+                scores_gradient_t<Op>(dPt, Pt, Rt, sD_i, warp_queries, f);
 
 
             // dK_j += dS^T Q_i over this warp's queries; dS^T also goes to shared memory for dQ_i.

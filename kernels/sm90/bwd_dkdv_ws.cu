@@ -88,25 +88,18 @@ __device__ __forceinline__ void dkdv_consumer_step(const BwdParams& params, cons
             St[0][nt][2 * h + 1] = exp2f(fmaf(St[0][nt][2 * h + 1], scale_log2, -lse2.y));
         }
     }
-    // dV_j += P^T dO_i (left running), then dS_ij^T = P^T ∘ (dP^T - D_i) in place.
-    unsigned Pt[1][Bt::kNTiles / 2][4];
+    // dV_j += P^T dO_i (left running), then dS_ij^T = P^T ∘ (dP^T - D_i) in place, from P^T's
+    // rounding and remainders (bwd_steps.cuh's p_remainders).
+    unsigned Pt[1][Bt::kNTiles / 2][4], Rt[1][Bt::kNTiles / 2][2];
     to_a_fragments<Op>(St, Pt);
+    p_remainders<Op>(St, Pt, Rt);
     wgmma_ab_rs<Bt, Bt::kBlockM, false>(dV[0], Pt[0], sdO_i);
     if constexpr (kDpWithS)
         wgmma_wait<1>();
     else
         wgmma_abt<Bt, Bt::kBlockM, Bt::kBlockN>(dPt[0], s.sV + group_rows, sdO_i);
     fence_operands(dPt[0]);
-#pragma unroll
-    for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-        const float2 d_i = *reinterpret_cast<const float2*>(sD_i + f.col(nt, 0));
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float2 p = Op::unpack(Pt[0][nt / 2][(nt % 2) * 2 + h]);
-            dPt[0][nt][2 * h] = p.x * (dPt[0][nt][2 * h] - d_i.x);
-            dPt[0][nt][2 * h + 1] = p.y * (dPt[0][nt][2 * h + 1] - d_i.y);
-        }
-    }
+    scores_gradient_t<Op>(dPt, Pt, Rt, sD_i, 0, f);
     // dK_j += dS^T Q_i (left running); dS^T to shared memory, and once every consumer warp's is
     // there, dQ_i += dS_ij K_j.
     unsigned dSt[1][Bt::kNTiles / 2][4];

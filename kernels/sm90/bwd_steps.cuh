@@ -6,6 +6,61 @@
 
 namespace cupyflash {
 
+// P^T's remainders after its rounding to the input type (the A fragments Pt that dV_j's product
+// takes), kept for dS (tc/bwd_steps.cuh's scores_gradient_t says why) in a quarter of float32
+// P^T's registers: four per register as FP8 e4m3 after scaling by 2^16 (a remainder is at most
+// 2^-9 of a probability <= 1; e4m3's 4 significant bits then carry P^T to 12 of bf16, 15 of
+// fp16). The remainders of probabilities below about 2^-13 fall under e4m3's range, and their
+// dS is off by less than 2^-22 of |dP - D|. Register q of k16 step kk: n8 tile 2kk + q.
+constexpr float kRemainderScale = 65536.f;
+__device__ __forceinline__ unsigned e4m3x4(float x0, float x1, float x2, float x3) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+    return lo | static_cast<unsigned>(hi) << 16;
+}
+// Elements 2h and 2h + 1 of an e4m3x4 register, as floats.
+__device__ __forceinline__ float2 from_e4m3x2(unsigned x, int h) {
+    const unsigned short pair = static_cast<unsigned short>(x >> (16 * h));
+    float lo, hi;
+    asm("{\n .reg .b32 h2;\n .reg .b16 l, u;\n cvt.rn.f16x2.e4m3x2 h2, %2;\n mov.b32 {l, u}, h2;\n"
+        " cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, u;\n}\n"
+        : "=f"(lo), "=f"(hi)
+        : "h"(pair));
+    return make_float2(lo, hi);
+}
+template <typename Op, int kNTiles>
+__device__ __forceinline__ void p_remainders(const float (&St)[1][kNTiles][4], const unsigned (&Pt)[1][kNTiles / 2][4],
+                                             unsigned (&Rt)[1][kNTiles / 2][2]) {
+#pragma unroll
+    for (int kk = 0; kk < kNTiles / 2; ++kk)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const float* c = St[0][2 * kk + q];
+            const float2 a = Op::unpack(Pt[0][kk][2 * q]), b = Op::unpack(Pt[0][kk][2 * q + 1]);
+            Rt[0][kk][q] = e4m3x4((c[0] - a.x) * kRemainderScale, (c[1] - a.y) * kRemainderScale,
+                                  (c[2] - b.x) * kRemainderScale, (c[3] - b.y) * kRemainderScale);
+        }
+}
+// dS_ij^T = P^T ∘ (dP^T - D_i) in place of dP_ij^T (kNTiles n8 tiles of queries from sD_i +
+// query0), P^T from its rounding Pt and remainders Rt.
+template <typename Op, int kNTiles>
+__device__ __forceinline__ void scores_gradient_t(float (&dPt)[1][kNTiles][4], const unsigned (&Pt)[1][kNTiles / 2][4],
+                                                  const unsigned (&Rt)[1][kNTiles / 2][2], const float* sD_i,
+                                                  int query0, const Fragment& f) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+        const float2 d_i = *reinterpret_cast<const float2*>(sD_i + query0 + f.col(nt, 0));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float2 p = Op::unpack(Pt[0][nt / 2][(nt % 2) * 2 + h]);
+            const float2 r = from_e4m3x2(Rt[0][nt / 2][nt % 2], h);
+            dPt[0][nt][2 * h] = fmaf(r.x, 1.f / kRemainderScale, p.x) * (dPt[0][nt][2 * h] - d_i.x);
+            dPt[0][nt][2 * h + 1] = fmaf(r.y, 1.f / kRemainderScale, p.y) * (dPt[0][nt][2 * h + 1] - d_i.y);
+        }
+    }
+}
+
 // The TMA builds (kTma): thread 0 asks the copy engine for Q_i and dO_i, one box per 64-column
 // panel of each, all counted on the buffer's one mbarrier (a second arrival could let the phase
 // complete on the first tile's bytes alone). Queries past seqlen_q arrive as zeros.

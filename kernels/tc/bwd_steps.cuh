@@ -110,12 +110,33 @@ __device__ __forceinline__ void probabilities_t(float (&St)[Bt::kMTiles][Bt::kNT
     }
 }
 
-// dS_ij^T = P^T ∘ (dP^T - D_i) in place of dP_ij^T. P: P^T rounded to the input type (A
-// fragments), or with kScoreMod P^T ∘ dx, whose sign bit marks a dropped element.
-template <typename Bt, bool kScoreMod>
-__device__ __forceinline__ void scores_gradient_t(float (&dPt)[Bt::kMTiles][Bt::kNTiles][4],
-                                                  const unsigned (*P)[Bt::kNTiles / 2][4], const float* sD_i,
-                                                  int warp_queries, const Fragment& f) {
+// dS_ij^T = P^T ∘ (dP^T - D_i) in place of dP_ij^T, with P^T in float32 as computed (St), not as
+// rounded to the input type for dV_j's product: FlashAttention-2's order. Taken from the rounded
+// P^T, dS carried that rounding on top of its own, and on problems of a few keys (large P) the
+// 16-bit dq and dk exceeded the 2x rule about twice as often as FlashAttention-2's. (The Hopper
+// kernels keep P^T as its rounding and FP8 remainders: sm90/bwd_steps.cuh's p_remainders.)
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void scores_gradient_t(float (&dPt)[kMTiles][kNTiles][4], const float (&St)[kMTiles][kNTiles][4],
+                                                  const float* sD_i, int warp_queries, const Fragment& f) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+        const float2 d_i = *reinterpret_cast<const float2*>(sD_i + warp_queries + f.col(nt, 0));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                dPt[mt][nt][2 * h] = St[mt][nt][2 * h] * (dPt[mt][nt][2 * h] - d_i.x);
+                dPt[mt][nt][2 * h + 1] = St[mt][nt][2 * h + 1] * (dPt[mt][nt][2 * h + 1] - d_i.y);
+            }
+    }
+}
+
+// The same with score modifiers or dropout: dS's factor P^T ∘ dx as rounded into A fragments by
+// probabilities_t, its sign bit marking a dropped element.
+template <typename Bt>
+__device__ __forceinline__ void modified_scores_gradient_t(float (&dPt)[Bt::kMTiles][Bt::kNTiles][4],
+                                                           const unsigned (&Pt_dx)[Bt::kMTiles][Bt::kNTiles / 2][4],
+                                                           const float* sD_i, int warp_queries, const Fragment& f) {
     using Op = typename Bt::Op;
 #pragma unroll
     for (int nt = 0; nt < Bt::kNTiles; ++nt) {
@@ -125,14 +146,10 @@ __device__ __forceinline__ void scores_gradient_t(float (&dPt)[Bt::kMTiles][Bt::
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 // A fragment register r holds rows h = r % 2 of n8 tile 2kk + r / 2.
-                const float2 p = Op::unpack(P[mt][nt / 2][(nt % 2) * 2 + h]);
-                if constexpr (kScoreMod) {  // dropped (negative): -D_i' instead of dP - D_i'
-                    dPt[mt][nt][2 * h] = p.x * (p.x >= 0.f ? dPt[mt][nt][2 * h] - d_i.x : d_i.x);
-                    dPt[mt][nt][2 * h + 1] = p.y * (p.y >= 0.f ? dPt[mt][nt][2 * h + 1] - d_i.y : d_i.y);
-                } else {
-                    dPt[mt][nt][2 * h] = p.x * (dPt[mt][nt][2 * h] - d_i.x);
-                    dPt[mt][nt][2 * h + 1] = p.y * (dPt[mt][nt][2 * h + 1] - d_i.y);
-                }
+                const float2 p = Op::unpack(Pt_dx[mt][nt / 2][(nt % 2) * 2 + h]);
+                // dropped (negative): -D_i' instead of dP - D_i'
+                dPt[mt][nt][2 * h] = p.x * (p.x >= 0.f ? dPt[mt][nt][2 * h] - d_i.x : d_i.x);
+                dPt[mt][nt][2 * h + 1] = p.y * (p.y >= 0.f ? dPt[mt][nt][2 * h + 1] - d_i.y : d_i.y);
             }
     }
 }
