@@ -162,6 +162,11 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// The calling warp's arrival at barrier `id` without waiting: its earlier memory accesses are
+// ordered before those of the threads that wait there (named_barrier_sync) after the barrier.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // A warpgroup's registers per thread set to kRegs (a multiple of 8, 24..256; every thread of the
 // warpgroup executes it): a warp-specialised kernel moves registers from the warpgroup that only

@@ -281,11 +281,9 @@ __device__ __forceinline__ void round_dq_boxes(const BwdParams& params, const Dk
                 *reinterpret_cast<uint4*>(zeros + r * ring_row_stride) = uint4{};
             }
         }
+        mbarrier_arrive(smem_address(&barriers[b][1]));
         __syncwarp();  // the warp's zeros, before its lane 0's release counts them
-        if (threadIdx.x % 32 == 0) {
-            mbarrier_arrive(smem_address(&barriers[b][1]));
-            if (last) add_release(counters.slab_rounded(slab), 1);
-        }
+        if (threadIdx.x % 32 == 0 && last) add_release(counters.slab_rounded(slab), 1);
         if (++b == 2) b = 0, phase ^= 1;
     }
     if (threadIdx.x % 32 == 0 && add_acq_rel(counters.rounders_done(), 1) == kRoundingWarps * gridDim.x - 1) {
@@ -334,6 +332,7 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
                   "dK_j and dV_j are staged in the dQ stages");
     constexpr int kConsumerWarps = Bt::kNThreads / 32;
     constexpr int kConsumerBarrier = 3;  // (1 and 2: add_dq_shares_wgmma's, one per warpgroup)
+    constexpr int kStatsBarrier = 4;     // 4 and 5: Q_i buffer 0's and 1's row statistics
     // setmaxnreg's split of the registers a thread has at launch (launch_registers: 168): the
     // consumers' share is what their steps need without spilling, at d128 outside the local builds
     // 232 (224 spilled 36 bytes), and the producer keeps the rest (at 40 the block-sparse d64
@@ -343,9 +342,13 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
     extern __shared__ __align__(16) unsigned char smem[];
     const DkdvTiles s = dkdv_tiles<Bt>(smem);
     // kv: K_j, V_j landed (the producer's two arrivals, before and after its slot lookup, and the
-    // bytes) / read (one arrival per consumer warp); q[b]: Q_i, dO_i and row statistics in buffer
-    // b, likewise (the producer arrives twice: with the tiles' bytes, then once its lanes have
-    // stored the statistics).
+    // bytes) / read (one arrival per consumer thread); q[b]: Q_i and dO_i in buffer b landed (the
+    // producer's arrival and the bytes) / read (one arrival per consumer thread). Buffer b's row
+    // statistics and coordinates are handed over at named barrier kStatsBarrier + b: the
+    // producer's lanes arrive once they have stored them, the consumers wait there at the start of
+    // each step. Every thread that reads or writes what is handed over arrives itself, rather than
+    // one lane after __syncwarp(): the same order under the PTX memory model, and the one
+    // compute-sanitizer's racecheck sees (tools/sanitize.py).
     __shared__ alignas(8) unsigned long long kv_barriers[2], q_barriers[2][2];
     // Two items' indices, alternately (a slot is rewritten once the consumers are done with the
     // next item's steps, and so with this one's stores): first key (-1: no more items), K/V head,
@@ -353,18 +356,18 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
     enum { kKey0, kKvHead, kBatch, kSteps, kSlotReady, kItemFields };
     __shared__ int item_of[2][kItemFields], query_of[2][2];
     // box[b]: dQ box buffer b landed (the loading thread's arrival and the bytes) / rounded (one
-    // arrival per rounding warp); box_of: its coordinates (load_dq_boxes).
+    // arrival per rounding thread); box_of: its coordinates (load_dq_boxes).
     __shared__ alignas(8) unsigned long long box_barriers[2][2];
     __shared__ int box_of[2][kBoxFields];
     __shared__ long long box_at[2][2];
     if (threadIdx.x == 0) {
         mbarrier_init(smem_address(&kv_barriers[0]), 2);
-        mbarrier_init(smem_address(&kv_barriers[1]), kConsumerWarps);
+        mbarrier_init(smem_address(&kv_barriers[1]), Bt::kNThreads);
         for (int b = 0; b < 2; ++b) {
-            mbarrier_init(smem_address(&q_barriers[b][0]), 2);
-            mbarrier_init(smem_address(&q_barriers[b][1]), kConsumerWarps);
+            mbarrier_init(smem_address(&q_barriers[b][0]), 1);
+            mbarrier_init(smem_address(&q_barriers[b][1]), Bt::kNThreads);
             mbarrier_init(smem_address(&box_barriers[b][0]), 1);
-            mbarrier_init(smem_address(&box_barriers[b][1]), kRoundingWarps);
+            mbarrier_init(smem_address(&box_barriers[b][1]), 32 * kRoundingWarps);
         }
         fence_mbarrier_init();
     }
@@ -478,12 +481,14 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
                             s.sLse2[q_buffer * Bt::kBlockM + lane + 32 * r] = lse2[r];
                             s.sD[q_buffer * Bt::kBlockM + lane + 32 * r] = d[r];
                         }
-                        __syncwarp();  // the lanes' statistics, before lane 0's arrival releases them
                         if (lane == 0) {
                             query_of[q_buffer][0] = q_row0;
                             query_of[q_buffer][1] = head_idx;
-                            mbarrier_arrive(q_full);
                         }
+                        if (q_buffer)
+                            named_barrier_arrive(kStatsBarrier + 1, Bt::kNThreads + 32);
+                        else
+                            named_barrier_arrive(kStatsBarrier, Bt::kNThreads + 32);
                         if (++q_buffer == 2) q_buffer = 0, q_phase ^= 1;
                     }
                 }
@@ -528,18 +533,17 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
         }
         for (int step = 0; step < steps; ++step) {
             mbarrier_wait(smem_address(&q_barriers[q_buffer][0]), q_phase);
-            // Every consumer warp is done with the last step's dS^T and dQ stage.
-            named_barrier_sync(kConsumerBarrier, Bt::kNThreads);
+            // The buffer's statistics are stored, and every consumer warp is done with the last
+            // step's dS^T and dQ stage.
+            named_barrier_sync(kStatsBarrier + q_buffer, Bt::kNThreads + 32);
             dkdv_consumer_step<Bt, kIsLocal>(params, maps, s, key0, min(Bt::kBlockN, params.seqlen_k - key0),
                                              query_of[q_buffer][0], ring_head + query_of[q_buffer][1],
                                              ring ? 0 : item[kBatch], q_buffer, dK, dV, dq_stage, kConsumerBarrier);
-            __syncwarp();
-            if (threadIdx.x % 32 == 0) mbarrier_arrive(smem_address(&q_barriers[q_buffer][1]));
+            mbarrier_arrive(smem_address(&q_barriers[q_buffer][1]));
             if (++q_buffer == 2) q_buffer = 0, q_phase ^= 1;
         }
         // The item's products are done with K_j, V_j; the dQ stages are free once the TMA has read them.
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) mbarrier_arrive(smem_address(&kv_barriers[1]));
+        mbarrier_arrive(smem_address(&kv_barriers[1]));
         // The last item's adds have landed once all but this item's newest bulk group have; then a
         // thread with no copy of its own in flight counts it (a release waits for the thread's
         // outstanding writes: in the storing thread it held the warpgroup, item after item).
