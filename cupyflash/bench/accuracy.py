@@ -138,8 +138,7 @@ def run_problem(torch, pr: dict) -> dict:
     return row
 
 
-def _worker(args):
-    worker, problems = args
+def _worker(problems):
     import torch
 
     rows = []
@@ -158,7 +157,7 @@ def main(argv=None) -> int:
     problems = [draw(rng, args.max_seqlen) for _ in range(args.problems)]
     _, _, device, date, stem = common.start_run("accuracy")
     print(f"# {device}; seed {seed}; {len(problems)} problems; {args.workers} workers", flush=True)
-    chunks = [(w, problems[w::args.workers]) for w in range(args.workers)]
+    chunks = [problems[w::args.workers] for w in range(args.workers)]
     if args.workers == 1:
         rows = _worker(chunks[0])
     else:

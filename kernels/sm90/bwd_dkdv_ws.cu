@@ -330,7 +330,6 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
     using Storage = typename Bt::Storage;
     static_assert(2 * Bt::kBlockN * Bt::kHeadDim * 2 <= 2 * Bt::kWarpgroups * Bt::kDqShareBytes,
                   "dK_j and dV_j are staged in the dQ stages");
-    constexpr int kConsumerWarps = Bt::kNThreads / 32;
     constexpr int kConsumerBarrier = 3;  // (1 and 2: add_dq_shares_wgmma's, one per warpgroup)
     constexpr int kStatsBarrier = 4;     // 4 and 5: Q_i buffer 0's and 1's row statistics
     // setmaxnreg's split of the registers a thread has at launch (launch_registers: 168): the
@@ -485,6 +484,8 @@ __global__ void __launch_bounds__(Bt::kNThreads + 128, 1)
                             query_of[q_buffer][0] = q_row0;
                             query_of[q_buffer][1] = head_idx;
                         }
+                        // (the barrier's id as a constant: from a register it cost the producer's 40
+                        // registers a 4-byte spill in a d128 build)
                         if (q_buffer)
                             named_barrier_arrive(kStatsBarrier + 1, Bt::kNThreads + 32);
                         else
