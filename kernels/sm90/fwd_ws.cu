@@ -160,7 +160,11 @@ __global__ void __launch_bounds__(Kt::kNThreadsAll, 1)
         const auto step = [&](auto first) {
             constexpr bool kFirst = decltype(first)::value != 0;
             mbarrier_wait(smem_address(&k_barriers[stage][0]), phase);
-            const int col0 = stage_col0[stage];
+            // Lane 0 reads the stage's first key for its warp: the lane that hands the stage back
+            // must be the one that read it, or compute-sanitizer's racecheck, which credits an
+            // mbarrier arrival only with the arriving thread's own accesses, reports a race.
+            int col0 = lane == 0 ? stage_col0[stage] : 0;
+            col0 = __shfl_sync(0xffffffffu, col0, 0);
             float S[Kt::kMTiles][Kt::kNTiles][4];
             // This warpgroup's 64 rows of Q_i against all of K_j.
             wgmma_abt<Kt, Kt::kBlockN, Kt::kBlockM>(S[0], sQ + Kt::row_bytes(64 * warpgroup),
