@@ -155,20 +155,18 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def check_cu_seqlens(cu_seqlens, name: str, total: int) -> numpy.ndarray:
     """cu_seqlens as a host int32 array: the cumulative sequence lengths [0, s_0, s_0 + s_1, ...,
-    total] (FlashAttention-2's layout), int32 (a list of ints is taken as such), one-dimensional,
-    non-decreasing from 0 to the packed array's length. A device array is copied to the host for
-    this check (a few bytes, but a synchronisation)."""
+    total] (FlashAttention-2's layout), one-dimensional, non-decreasing from 0 to the packed
+    array's length. Index arrays follow one rule (`check_cache_seqlens` too): a list of ints or an
+    array of any integer dtype, on the host or on q's GPU, converted to int32. A device array is
+    copied to the host for this check (a few bytes, but a synchronisation)."""
     if isinstance(cu_seqlens, (list, tuple)):
         if not all(isinstance(x, numbers.Integral) and not isinstance(x, (bool, numpy.bool_)) for x in cu_seqlens):
-            raise TypeError(f"{name} must be an int32 array or a list of ints, got {cu_seqlens!r}")
+            raise TypeError(f"{name} must be an integer array or a list of ints, got {cu_seqlens!r}")
         cu_seqlens = numpy.asarray(cu_seqlens, dtype=numpy.int64)
-        if cu_seqlens.size and (cu_seqlens.min() < -(2**31) or cu_seqlens.max() >= 2**31):
-            raise ValueError(f"{name}'s values must fit in int32")
-        cu_seqlens = cu_seqlens.astype(numpy.int32)
     if not hasattr(cu_seqlens, "dtype") or not hasattr(cu_seqlens, "shape"):
-        raise TypeError(f"{name} must be an int32 array of shape (batch + 1,), got {type(cu_seqlens).__name__}")
-    if numpy.dtype(cu_seqlens.dtype) != numpy.int32:
-        raise TypeError(f"{name} must have dtype int32, as FlashAttention's cu_seqlens, got {cu_seqlens.dtype}")
+        raise TypeError(f"{name} must be an integer array of shape (batch + 1,), got {type(cu_seqlens).__name__}")
+    if numpy.dtype(cu_seqlens.dtype).kind not in "iu":
+        raise TypeError(f"{name} must have an integer dtype (int32, as FlashAttention's cu_seqlens), got {cu_seqlens.dtype}")
     if type(cu_seqlens).__module__.split(".")[0] == "cupy":
         cu_seqlens = cu_seqlens.get()
     cu = numpy.asarray(cu_seqlens)
@@ -176,12 +174,14 @@ def check_cu_seqlens(cu_seqlens, name: str, total: int) -> numpy.ndarray:
         raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
     if cu[0] != 0:
         raise ValueError(f"{name} must start at 0, got {cu[0]}")
-    if cu.size > 1 and (numpy.diff(cu) < 0).any():
-        at = int(numpy.flatnonzero(numpy.diff(cu) < 0)[0])
+    if cu.size > 1 and (numpy.diff(cu.astype(numpy.int64)) < 0).any():
+        at = int(numpy.flatnonzero(numpy.diff(cu.astype(numpy.int64)) < 0)[0])
         raise ValueError(f"{name} must be non-decreasing, got {cu[at]} then {cu[at + 1]} at positions {at}, {at + 1}")
     if cu[-1] != total:
         raise ValueError(f"{name}'s last value must be the packed array's length {total}, got {cu[-1]}")
-    return numpy.ascontiguousarray(cu)
+    if total >= 2**31:
+        raise ValueError(f"{name}'s values must fit in int32, got a packed length of {total}")
+    return numpy.ascontiguousarray(cu, dtype=numpy.int32)
 
 
 def check_seqlens_k(seqlens_k, p: AttentionProblem) -> AttentionProblem:
@@ -484,7 +484,7 @@ def check_cache_seqlens(cache_seqlens, batch: int, cache_len: int, seqlen_new: i
     if not hasattr(cache_seqlens, "dtype") or not hasattr(cache_seqlens, "shape"):
         raise TypeError(f"{name} must be None, an int, or an integer array of shape (batch,), got {cache_seqlens!r}")
     if numpy.dtype(cache_seqlens.dtype).kind not in "iu":
-        raise TypeError(f"{name} must have an integer dtype (int32), got {cache_seqlens.dtype}")
+        raise TypeError(f"{name} must have an integer dtype (int32 or int64), got {cache_seqlens.dtype}")
     if tuple(cache_seqlens.shape) != (batch,):
         raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
     if isinstance(cache_seqlens, numpy.ndarray):

@@ -96,13 +96,14 @@ def test_fallback_seqlens_k(rng):
 
 
 BAD_CU = [
-    (dict(cu_seqlens_q=numpy.array([0, 3, 3, 20, 21, 30], dtype=numpy.int64)), TypeError, "cu_seqlens_q must have dtype int32"),
+    (dict(cu_seqlens_q=numpy.array([0, 3, 3, 20, 21, 30], dtype=numpy.float32)), TypeError,
+     "cu_seqlens_q must have an integer dtype"),
     (dict(cu_seqlens_q=numpy.array([0, 3, 2, 20, 21, 30], dtype=numpy.int32)), ValueError, "must be non-decreasing"),
     (dict(cu_seqlens_k=numpy.array([0, 5, 9, 26, 26, 37], dtype=numpy.int32)), ValueError, "last value must be the packed"),
     (dict(cu_seqlens_q=numpy.array([1, 3, 3, 20, 21, 30], dtype=numpy.int32)), ValueError, "must start at 0"),
     (dict(cu_seqlens_q=numpy.array([0, 30], dtype=numpy.int32)), ValueError, "must have the same length"),
     (dict(cu_seqlens_q=numpy.zeros((2, 3), dtype=numpy.int32)), ValueError, r"shape \(batch \+ 1,\)"),
-    (dict(cu_seqlens_q=[0, 3.0, 30]), TypeError, "an int32 array or a list of ints"),
+    (dict(cu_seqlens_q=[0, 3.0, 30]), TypeError, "an integer array or a list of ints"),
     (dict(cu_seqlens_q="0 30"), TypeError, "cu_seqlens_q must be an array"),
     (dict(max_seqlen_q=16), ValueError, "max_seqlen_q must be at least the longest sequence's length 17"),
     (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k must be at least 0"),
@@ -118,6 +119,22 @@ def test_bad_cu_seqlens_are_rejected(rng, change, error, match):
         cupyflash.attention_varlen(q, k, v, **args)
     for x, y in zip((q, k, v, cu_q, cu_k), copies):
         numpy.testing.assert_array_equal(x, y)
+
+
+def test_index_arrays_take_any_integer_dtype(rng):
+    """One rule for every index array (cu_seqlens, seqlens_k, cache_seqlens): a list of ints or an
+    integer array of any width gives what int32 gives."""
+    q, k, v, cu_q, cu_k = packed(rng, LENGTHS, dtype=numpy.float32)
+    want = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    for convert in (lambda cu: cu.astype(numpy.int64), lambda cu: cu.astype(numpy.uint32), lambda cu: cu.tolist()):
+        numpy.testing.assert_array_equal(cupyflash.attention_varlen(q, k, v, convert(cu_q), convert(cu_k), causal=True), want)
+    qf, kf, vf = (rng.standard_normal((2, n, 2, 8)).astype(numpy.float32) for n in (3, 9, 9))
+    want = cupyflash.attention(qf, kf, vf, seqlens_k=numpy.array([4, 9], numpy.int32))
+    numpy.testing.assert_array_equal(cupyflash.attention(qf, kf, vf, seqlens_k=numpy.array([4, 9], numpy.int64)), want)
+    numpy.testing.assert_array_equal(cupyflash.attention(qf, kf, vf, seqlens_k=[4, 9]), want)
+    want = cupyflash.attention_decode(qf, kf, vf, numpy.array([4, 9], numpy.int32))
+    numpy.testing.assert_array_equal(cupyflash.attention_decode(qf, kf, vf, numpy.array([4, 9], numpy.int64)), want)
+    numpy.testing.assert_array_equal(cupyflash.attention_decode(qf, kf, vf, [4, 9]), want)
 
 
 def test_bad_packed_arrays_are_rejected(rng):

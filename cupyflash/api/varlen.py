@@ -24,11 +24,12 @@ def attention_varlen(
     q : array, shape (total_q, heads, head_dim)
     k, v : arrays, shape (total_k, heads_kv, head_dim)
         Arrays, dtypes, strides, GQA/MQA as `attention`.
-    cu_seqlens_q, cu_seqlens_k : int32 arrays of shape (batch + 1,)
+    cu_seqlens_q, cu_seqlens_k : integer arrays of shape (batch + 1,)
         Cumulative sequence lengths: 0, then each sequence's end, the last equal to total_q
-        (total_k). int32 NumPy or CuPy arrays (a list of ints also does). They are checked (int32,
-        starting at 0, non-decreasing, ending at the total); a GPU array is read back for that,
-        a small synchronising copy.
+        (total_k). Any integer dtype (int32 as flash-attn's; int64 as torch's cumsum gives) on the
+        host or q's GPU, or a list of ints: the rule of every index array here (seqlens_k,
+        cache_seqlens). They are checked (starting at 0, non-decreasing, ending at the total); a
+        GPU array is read back for that, a small synchronising copy.
     max_seqlen_q, max_seqlen_k : int, optional
         The longest sequence's length (at least that; default: computed from cu_seqlens).
     causal, scale, window, softcap, alibi_slopes : as `attention`, per sequence; alibi_slopes of
@@ -42,7 +43,7 @@ def attention_varlen(
         out (total_q, heads, head_dim) in q's dtype, and lse (heads, total_q) float32 (float64 for
         float64 inputs), in the caller's array type, as `attention`.
 
-    Raises TypeError/ValueError as `attention`, and for bad cu_seqlens (not int32, not starting at
+    Raises TypeError/ValueError as `attention`, and for bad cu_seqlens (not integers, not starting at
     0, decreasing, a last value other than the packed length, different lengths for q and k) or a
     max_seqlen below the longest sequence. Block masks are not supported with varlen.
 

@@ -55,7 +55,7 @@ def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, scale=None,
     deterministic=False, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
 ):
-    """`cupyflash.attention_varlen` for packed torch tensors (total, heads, head_dim) with int32
+    """`cupyflash.attention_varlen` for packed torch tensors (total, heads, head_dim) with integer
     cu_seqlens tensors (or arrays), with `cupyflash.attention_varlen_backward` for autograd
     (the lengths and ALiBi slopes get no gradient); dropout as `attention`. Returns out only."""
     dropout = (dropout_p, _seed_for(dropout_p, seed), offset)
