@@ -2,7 +2,8 @@
 cupyflash/frameworks/torch.py. Importing this module imports torch."""
 
 from cupyflash.frameworks.torch import (  # noqa: F401
-    FlashAttentionFunction, FlashAttentionVarlenFunction, attention, attention_varlen,
+    FlashAttentionFunction, FlashAttentionVarlenFunction, attention, attention_varlen, scaled_dot_product_attention,
 )
 
-__all__ = ["attention", "attention_varlen", "FlashAttentionFunction", "FlashAttentionVarlenFunction"]
+__all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "FlashAttentionFunction",
+           "FlashAttentionVarlenFunction"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import operator
 import re
 
 import numpy
@@ -276,7 +277,8 @@ def check_int_range(value, arg: str, end: int) -> int:
 
 def check_window(window) -> tuple | None:
     """window=(left, right) of local attention as (left or None, right or None), where None and
-    -1 (flash-attn's spelling) mean unbounded; None when both sides are."""
+    -1 (flash-attn's spelling) mean unbounded; None when both sides are. A side is an int or a
+    0-d integer array or tensor."""
     if window is None:
         return None
     try:
@@ -290,8 +292,13 @@ def check_window(window) -> tuple | None:
         if x is None:
             sides.append(None)
             continue
-        if isinstance(x, (bool, numpy.bool_)) or not isinstance(x, numbers.Integral):
-            raise TypeError(f"window's {side} side must be an int or None, got {x!r}")
+        try:  # an int, or a 0-d integer array or tensor (as flash-attn's tests pass)
+            boolean = isinstance(x, (bool, numpy.bool_)) or str(getattr(x, "dtype", "")).endswith("bool")
+            x = None if boolean else operator.index(x)
+        except TypeError:
+            x = None
+        if x is None:
+            raise TypeError(f"window's {side} side must be an int or None, got {pair[len(sides)]!r}")
         if x < -1:
             raise ValueError(f"window's {side} side must be >= 0, or -1 or None for unbounded, got {x}")
         sides.append(None if x == -1 else int(x))

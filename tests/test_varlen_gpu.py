@@ -206,4 +206,4 @@ def test_jax_adapter(rng, jax_gpu):
     with pytest.raises(TypeError, match="cu_seqlens_q must be concrete"):
         jax.jit(lambda cu: cupyflash.jax.attention_varlen(qj, kj, vj, cu, cu_k))(jnp.asarray(cu_q))
     with pytest.raises(TypeError, match="cu_seqlens_k"):
-        cupyflash.jax.attention_varlen(qj, kj, vj, cu_q, cu_k.astype(numpy.int64))
+        cupyflash.jax.attention_varlen(qj, kj, vj, cu_q, cu_k.astype(numpy.float32))

@@ -25,7 +25,8 @@ from cupyflash.frameworks import arrays as frameworks
 from cupyflash.problem import Options
 from cupyflash.validation import BFLOAT16
 
-__all__ = ["attention", "attention_varlen", "FlashAttentionFunction", "FlashAttentionVarlenFunction"]
+__all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "FlashAttentionFunction",
+           "FlashAttentionVarlenFunction"]
 
 _CUPY_DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BFLOAT16, torch.float32: numpy.float32,
                 torch.float64: numpy.float64}
@@ -33,7 +34,7 @@ _CUPY_DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BFLOAT16, torch.fl
 
 def attention(
     q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None, softcap=None,
-    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, return_lse=False,
 ):
     """`cupyflash.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
     alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)` for torch tensors
@@ -41,33 +42,54 @@ def attention(
     autograd. `deterministic=True` makes the gradients bitwise reproducible (see
     attention_backward). With a `cupyflash.BlockMask` as block_mask,
     `cupyflash.block_sparse_attention` and its backward. The ALiBi slopes (a tensor or array) get
-    no gradient. With dropout_p > 0 and no seed, the seed is drawn from torch's default generator
-    (`torch.manual_seed` makes it reproducible); the backward reuses it. Returns out only."""
+    no gradient. With dropout_p > 0 and no seed, the seed and offset come from torch's generator of
+    q's device (`torch.cuda.manual_seed` makes CUDA calls reproducible, `torch.manual_seed` CPU
+    ones), whose offset each call advances, as flash-attn draws its Philox state; the backward
+    reuses them. Returns out, or (out, lse) with return_lse=True (lse gets no gradient)."""
     if isinstance(alibi_slopes, torch.Tensor):
         alibi_slopes = alibi_slopes.detach()
+    seed, offset = _seed_for(dropout_p, seed, offset, q)
     options = Options(causal=causal, scale=scale, deterministic=deterministic, block_mask=block_mask, window=window,
-                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                      seed=_seed_for(dropout_p, seed), offset=offset)
-    return FlashAttentionFunction.apply(q, k, v, options)
+                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+    out, lse = FlashAttentionFunction.apply(q, k, v, options)
+    return (out, lse) if return_lse else out
 
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False, scale=None,
     deterministic=False, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+    return_lse=False,
 ):
     """`cupyflash.attention_varlen` for packed torch tensors (total, heads, head_dim) with integer
     cu_seqlens tensors (or arrays), with `cupyflash.attention_varlen_backward` for autograd
-    (the lengths and ALiBi slopes get no gradient); dropout as `attention`. Returns out only."""
-    dropout = (dropout_p, _seed_for(dropout_p, seed), offset)
-    return FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                              scale, deterministic, window, softcap, alibi_slopes, dropout)
+    (the lengths and ALiBi slopes get no gradient); dropout as `attention`. Returns out, or
+    (out, lse) with return_lse=True, lse (heads, total_q) without gradient."""
+    dropout = (dropout_p, *_seed_for(dropout_p, seed, offset, q))
+    out, lse = FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  causal, scale, deterministic, window, softcap, alibi_slopes, dropout)
+    return (out, lse) if return_lse else out
 
 
-def _seed_for(dropout_p, seed):
-    """The seed given, or with dropout and none given, one from torch's default generator."""
-    if seed is None and isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool) and dropout_p > 0:
-        return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
-    return seed
+# Philox offsets a call takes from torch's CUDA generator: it keeps them in multiples of 4.
+_OFFSET_STEP = 4
+
+
+def _seed_for(dropout_p, seed, offset, x) -> tuple:
+    """(seed, offset): as given, or with dropout and no seed, drawn from torch's generator of x's
+    device. A CUDA generator gives its seed and its Philox offset, which the call advances (no
+    device work, no synchronisation: flash-attn's way); the CPU generator a random seed."""
+    if seed is not None or not (isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool)
+                                and dropout_p > 0):
+        return seed, offset
+    if isinstance(x, torch.Tensor) and x.is_cuda:
+        generator = torch.cuda.default_generators[x.device.index if x.device.index is not None else
+                                                   torch.cuda.current_device()]
+        position = generator.get_offset()
+        generator.set_offset(position + _OFFSET_STEP)
+        if not isinstance(offset, numbers.Integral) or isinstance(offset, bool):
+            return generator.initial_seed(), offset  # the checks name what is wrong with it
+        return generator.initial_seed(), (offset + position // _OFFSET_STEP) % 2**32
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)), offset
 
 
 def _as_cupy(x):
@@ -109,8 +131,9 @@ def _on_torch_stream(x):
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Forward: out, lse = cupyflash.attention(...); saves q, k, v, out, lse (O(seqlen) extra).
-    Backward: cupyflash.attention_backward, recomputing the attention matrix tile by tile."""
+    """Forward: out, lse = cupyflash.attention(...); saves q, k, v, out, lse (O(seqlen) extra) and
+    returns both (lse without gradient). Backward: cupyflash.attention_backward, recomputing the
+    attention matrix tile by tile."""
 
     @staticmethod
     def forward(ctx, q, k, v, options: Options):
@@ -122,10 +145,11 @@ class FlashAttentionFunction(torch.autograd.Function):
             out, lse = _as_torch(out), _as_torch(lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = options
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dlse):
         q, k, v, out, lse = (x.detach() for x in ctx.saved_tensors)  # out requires grad
         dout = dout.detach()
         if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
@@ -152,10 +176,11 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
             out, lse = varlen.attention_varlen(q, k, v, *cu_seqlens, return_lse=True, **options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cu_seqlens, ctx.options = cu_seqlens, dict(options, deterministic=deterministic)
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dlse):
         q, k, v, out, lse = (x.detach() for x in ctx.saved_tensors)
         dout = dout.detach()
         if dout.stride(-1) != 1:
@@ -163,3 +188,37 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
         with _on_torch_stream(q):
             dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, *ctx.cu_seqlens, **ctx.options)
         return (dq, dk, dv) + (None,) * 11
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """`torch.nn.functional.scaled_dot_product_attention` computed by cupyflash, with autograd:
+    the same signature, (batch, heads, seq, head_dim) layout (or (batch, seq, head_dim), one head)
+    and result, so that it can stand in for SDPA.
+
+    is_causal is SDPA's: query i sees keys 0..i, the mask aligned top-left (cupyflash's causal
+    aligns bottom-right; the two agree when the lengths are equal). enable_gqa lets key and value
+    have fewer heads, a divisor of query's. dropout_p applies whenever it is > 0, as in SDPA, with
+    the seed drawn as `attention` draws it. The result is a (batch, heads, seq, head_dim) view of
+    cupyflash's (batch, seq, heads, head_dim) output, not a contiguous tensor.
+
+    What cupyflash's kernels do not take goes to torch's own SDPA, unchanged: an attn_mask (boolean
+    or additive), a value head dim other than the query's, other numbers of dimensions, and key
+    heads that differ from the query's without enable_gqa (which SDPA refuses)."""
+    plain = (attn_mask is None and query.dim() in (3, 4) and key.dim() == value.dim() == query.dim()
+             and value.shape[-1] == query.shape[-1]
+             and (query.dim() == 3 or enable_gqa or key.shape[-3] == query.shape[-3]))
+    if not plain:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            **({"enable_gqa": enable_gqa} if enable_gqa else {}))
+    heads_axis = query.dim() == 4
+    q, k, v = (x.transpose(1, 2) if heads_axis else x.unsqueeze(2) for x in (query, key, value))
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    window = None
+    if is_causal and seqlen_q <= seqlen_k:  # keys past seqlen_q are seen by no query: top-left = bottom-right
+        k, v = k[:, :seqlen_q], v[:, :seqlen_q]
+    elif is_causal:
+        window = (None, seqlen_q - seqlen_k)  # key j for query i when j <= i
+    out = attention(q, k, v, causal=is_causal and window is None, scale=scale, window=window, dropout_p=dropout_p)
+    return out.transpose(1, 2) if heads_axis else out.squeeze(2)
