@@ -8,6 +8,10 @@ launch overhead (validation, argument packing, kernel launches). PyTorch SDPA's 
 same tensors is printed for scale, and cupyflash.torch's forward (the adapter) beside it; with
 --profile, the top functions of a cProfile run follow.
 
+The "train" lines time a training step, forward then `out.backward(dout)` (bfloat16, causal), at
+(1, 256, 8, 64) and (4, 1024, 16, 128): PyTorch SDPA, cupyflash.torch.attention and
+cupyflash.flash_attn.flash_attn_func, each the loop's wall time per step.
+
 --fresh N: the calls go round N sets of arrays, and each call's results are kept until its set
 comes round again, as a model's layers keep theirs: every call then sees arrays at new addresses
 (new TMA descriptors), where the default loop gets its output back at the address just freed.
@@ -77,6 +81,7 @@ def main(argv=None):
                                            [tuple(x.transpose(1, 2) for x in s) for s in tsets])
         # The adapter on (batch, seq, heads, head_dim) tensors: DLPack in and out, torch's stream.
         calls["cupyflash.torch forward"] = each(cupyflash.torch.attention, tsets)
+        calls.update(_training_steps(torch))
     except ImportError:
         print("# torch not installed: no SDPA line")
     if args.no_gc:
@@ -90,7 +95,7 @@ def main(argv=None):
         for _ in range(args.calls):
             fn()
         cupy.cuda.Device().synchronize()
-        print(f"{name:20} {(time.perf_counter() - start) / args.calls * 1e6:7.1f} us per call")
+        print(f"{name:42} {(time.perf_counter() - start) / args.calls * 1e6:7.1f} us per call")
         if args.profile and not name.startswith("torch"):
             profile = cProfile.Profile()
             profile.runcall(lambda: [fn() for _ in range(500)])
@@ -99,3 +104,27 @@ def main(argv=None):
             print(text.getvalue())
     return 0
 
+
+
+def _training_steps(torch) -> dict:
+    """name -> one training step (forward, then out.backward(dout)) of each method and shape."""
+    import cupyflash.torch
+    from cupyflash.flash_attn import flash_attn_func
+
+    steps = {}
+    for shape in ((1, 256, 8, 64), (4, 1024, 16, 128)):
+        q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        forwards = {
+            "sdpa": lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2),
+            "cupyflash.torch": lambda q=q, k=k, v=v: cupyflash.torch.attention(q, k, v, causal=True),
+            "flash_attn_func": lambda q=q, k=k, v=v: flash_attn_func(q, k, v, causal=True),
+        }
+        for method, forward in forwards.items():
+            def step(forward=forward, inputs=(q, k, v), dout=dout):
+                for x in inputs:
+                    x.grad = None
+                forward().backward(dout)
+            steps[f"train {method} {shape}"] = step
+    return steps
