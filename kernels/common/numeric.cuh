@@ -82,12 +82,27 @@ template <typename T> __device__ __forceinline__ T shfl_xor(T x, int lane_mask) 
 constexpr double kLn2 = 0.693147180559945309417232121458176568;   // ln(2): lse = m·ln2 + ln(l)
 constexpr double kLog2e = 1.442695040888963407359924681001892137;  // log2(e): exp(x) = exp2(x·log2(e))
 
-// tanh(x) = 1 - 2 / (e^2x + 1) with the hardware exp2 and reciprocal: an absolute error of a few
-// 1e-7, as float32 arithmetic gives, in two MUFU operations where tanhf takes ~20 instructions.
-// The one-operation tanh.approx.f32 (flash-attn's choice) made softcapped forwards 1.09-1.16x
-// faster, but its 2^-11 relative error put lse 2-5x past the float32 bound.
-__device__ __forceinline__ float tanh_fast(float x) {
+// The softcap's tanh in the tensor-core kernels. tanh_exp2: 1 - 2 / (e^2x + 1) with the hardware
+// exp2 and reciprocal, two MUFU operations where tanhf takes ~20 instructions; within 2 ulp from
+// |x| = 0.55 on, but below, where the subtraction cancels, an absolute error of ~1e-7, which the
+// softcap multiplies. tanh_fast: the same from 0.55 on, below it x times a fit of tanh(x) / x in
+// x^2 (relative error 3e-8, 2 ulp evaluated in float32). The forward and decode kernels take
+// tanh_fast: their scores reach lse and out in float32, where tanh_exp2 put lse up to 1.8x past the
+// float32 bound with caps of 30-50 and few keys (16 of 3000 random problems). The backward kernels
+// take tanh_exp2: they round P to 16 bits, and at 255 registers tanh_fast spilled 8 bytes in
+// three of them. (The one-operation tanh.approx.f32, flash-attn's choice, made softcapped
+// forwards 1.09-1.16x faster, but its 2^-11 relative error put lse 2-5x past the float32 bound.)
+__device__ __forceinline__ float tanh_exp2(float x) {
     return 1.f - __fdividef(2.f, exp2f(x * static_cast<float>(2.0 * kLog2e)) + 1.f);
+}
+
+__device__ __forceinline__ float tanh_fast(float x) {
+    const float t = x * x;
+    const float near_zero =
+        x * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 0.01631566882f, -0.05258943886f), 0.13318878412f), -0.33332794905f),
+                 0.99999994040f);
+    const float wide = tanh_exp2(x);
+    return fabsf(x) < 0.55f ? near_zero : wide;
 }
 
 // A compile-time bool as a type, for generic lambdas instantiated on a runtime-uniform flag.

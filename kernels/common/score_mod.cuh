@@ -6,6 +6,10 @@
 
 namespace cupyflash {
 
+// How a kernel evaluates the softcap's tanh: tanhf / tanh in the CUDA-core kernels, tanh_fast or
+// tanh_exp2 in the tensor-core ones (common/numeric.cuh says which and why).
+enum class Tanh { kAccurate, kFast, kExp2 };
+
 // The score modifiers of current models, on a score x = scale·q_i·k_j in the kernels' log2 units:
 // the softcap of Gemma 2 and Grok, x -> cap·tanh(x / cap), then ALiBi's linear bias (Press et al.,
 // 2022) -slope_h·|i + seqlen_k - seqlen_q - j|: the key's distance from the query's own position,
@@ -42,23 +46,27 @@ struct ScoreMod {
 
     // The modified score of x at ALiBi distance `distance`, and in dx its derivative in x
     // (1 - tanh^2 with the softcap, else 1), which the backward's dS_ij = P_ij ∘ (dP_ij - D_i) ∘ dx
-    // needs. kSoftcap: whether cap != 0, decided once per tile (softcap()). kFast: the
-    // tensor-core kernels' tanh_fast; the scalar kernels keep the accurate tanh.
-    template <bool kFast, bool kSoftcap>
+    // needs. kSoftcap: whether cap != 0, decided once per tile (softcap()). kTanh: how the
+    // softcap's tanh is evaluated (Tanh).
+    template <Tanh kTanh, bool kSoftcap>
     __device__ __forceinline__ Accum apply_at(Accum x, Accum distance, Accum& dx) const {
         dx = Accum(1);
         if constexpr (kSoftcap) {
-            const Accum t = kFast ? tanh_fast(x * inv_cap) : tanh_(x * inv_cap);
+            // (A conditional expression: an if constexpr chain here changed NVRTC's code for the
+            // forward kernels, though not what they compute.)
+            const Accum t = kTanh == Tanh::kFast   ? tanh_fast(x * inv_cap)
+                            : kTanh == Tanh::kExp2 ? tanh_exp2(x * inv_cap)
+                                                   : tanh_(x * inv_cap);
             dx = Accum(1) - t * t;
             x = x == neg_inf<Accum>() ? x : cap * t;
         }
         return x - slope * distance;
     }
 
-    template <bool kFast>
+    template <Tanh kTanh>
     __device__ __forceinline__ Accum apply(Accum x, int query, int key, Accum& dx) const {
         const Accum distance = abs(offset(query, key));
-        return softcap() ? apply_at<kFast, true>(x, distance, dx) : apply_at<kFast, false>(x, distance, dx);
+        return softcap() ? apply_at<kTanh, true>(x, distance, dx) : apply_at<kTanh, false>(x, distance, dx);
     }
 };
 

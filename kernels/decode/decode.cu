@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : Kt::kMinBlocks)
                         for (int e = 0; e < 2; ++e) {
                             float dx;
                             const float distance = fabsf(static_cast<float>(query - (col0 + f.col(nt, e))));
-                            S[0][nt][2 * h + e] = mod.apply_at<true, kSoftcap>(S[0][nt][2 * h + e] * scale_log2, distance, dx);
+                            S[0][nt][2 * h + e] = mod.apply_at<Tanh::kFast, kSoftcap>(S[0][nt][2 * h + e] * scale_log2, distance, dx);
                         }
                 }
             };
@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
                 const ScoreMod<Accum> mod(static_cast<Accum>(params.softcap_log2),
                                           decode_row_slope<Accum>(params, block.batch_idx, block.kv_head, block.row0 + r));
                 Accum dx;
-                S[r] = mod.template apply<false>(S[r], query, key, dx);
+                S[r] = mod.template apply<Tanh::kAccurate>(S[r], query, key, dx);
             }
             const Accum m_new = max_(m[r], warp_max(S[r]));
             const Accum m_safe = m_new == neg_inf<Accum>() ? Accum(0) : m_new;

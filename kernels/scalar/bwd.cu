@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm) flash_bwd_
 #pragma unroll
                 for (int jm = 0; jm < G::kSColsPerThread; ++jm) {
                     if constexpr (kScoreMod)
-                        Pt[i][jm] = mod.template apply<false>(Pt[i][jm], row0 + tx + jm * G::kColGroups,
+                        Pt[i][jm] = mod.template apply<Tanh::kAccurate>(Pt[i][jm], row0 + tx + jm * G::kColGroups,
                                                               col0 + ty * G::kRowsPerThread + i, dx[i][jm]);
                     Pt[i][jm] = exp2_(Pt[i][jm] - sLse2[tx + jm * G::kColGroups]);
                 }
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
                 if constexpr (kScoreMod) {  // P_ij of the modified score; dS_ij times its derivative
                     Accum dx;
                     const int query = row0 + ty * Dt::kRowsPerThread + i, key = col0 + tx + jn * Dt::kColGroups;
-                    P[i][jn] = exp2_(mod.template apply<false>(P[i][jn], query, key, dx) - lse2[i]);
+                    P[i][jn] = exp2_(mod.template apply<Tanh::kAccurate>(P[i][jn], query, key, dx) - lse2[i]);
                     const bool kept = !dropout.active() || dropout.keep(query, key);
                     dS[i][jn] = P[i][jn] * (kept ? dS[i][jn] - D[i] : -D[i]) * dx;
                 } else {

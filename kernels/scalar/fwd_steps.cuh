@@ -102,7 +102,7 @@ __device__ __forceinline__ void apply_score_mod(
 #pragma unroll
         for (int jn = 0; jn < Kt::kSColsPerThread; ++jn) {
             Accum dx;
-            S[i][jn] = mod.template apply<false>(S[i][jn], row0 + ty * Kt::kRowsPerThread + i,
+            S[i][jn] = mod.template apply<Tanh::kAccurate>(S[i][jn], row0 + ty * Kt::kRowsPerThread + i,
                                                  col0 + tx + jn * Kt::kColGroups, dx);
         }
 }

@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(Dt::kNThreads, Dt::kMinBlocksPerSm) flash_bwd_
                             for (int e = 0; e < 2; ++e) {
                                 const float offset = offset0 + static_cast<float>(16 * mt + 8 * h - 8 * nt - e);
                                 float dx;
-                                const float x = mod.template apply_at<true, kSoftcap>(S[mt][nt][2 * h + e] * scale_log2,
+                                const float x = mod.template apply_at<Tanh::kExp2, kSoftcap>(S[mt][nt][2 * h + e] * scale_log2,
                                                                                       fabsf(offset), dx);
                                 S[mt][nt][2 * h + e] = exp2f(x - lse2[mt][h]) * dx;
                             }

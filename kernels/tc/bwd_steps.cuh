@@ -72,9 +72,9 @@ __device__ __forceinline__ void probabilities_t(float (&St)[Bt::kMTiles][Bt::kNT
                     for (int h = 0; h < 2; ++h) {
                         const float offset = offset0 + static_cast<float>(8 * nt - 16 * mt - 8 * h);
                         float dx0, dx1;
-                        const float x0 = mod.template apply_at<true, kSoftcap>(St[mt][nt][2 * h] * scale_log2,
+                        const float x0 = mod.template apply_at<Tanh::kExp2, kSoftcap>(St[mt][nt][2 * h] * scale_log2,
                                                                                fabsf(offset), dx0);
-                        const float x1 = mod.template apply_at<true, kSoftcap>(
+                        const float x1 = mod.template apply_at<Tanh::kExp2, kSoftcap>(
                             St[mt][nt][2 * h + 1] * scale_log2, fabsf(offset + 1.f), dx1);
                         St[mt][nt][2 * h] = exp2f(x0 - lse2.x);
                         St[mt][nt][2 * h + 1] = exp2f(x1 - lse2.y);

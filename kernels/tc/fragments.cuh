@@ -304,7 +304,7 @@ __device__ __forceinline__ void score_mod_fragments(float (&S)[kMTiles][kNTiles]
                 for (int e = 0; e < 2; ++e) {
                     float dx;
                     const float distance = fabsf(offset0 + static_cast<float>(16 * mt + 8 * h - 8 * nt - e));
-                    S[mt][nt][2 * h + e] = mod.apply_at<true, kSoftcap>(S[mt][nt][2 * h + e] * scale_log2, distance, dx);
+                    S[mt][nt][2 * h + e] = mod.apply_at<Tanh::kFast, kSoftcap>(S[mt][nt][2 * h + e] * scale_log2, distance, dx);
                 }
 }
 
