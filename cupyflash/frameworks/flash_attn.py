@@ -194,7 +194,7 @@ def _softcap(softcap):
 
 
 def _dropout(dropout_p, q) -> dict:
-    seed, offset = adapter._seed_for(dropout_p, None, 0, q)
+    seed, offset = adapter.dropout_seed(dropout_p, None, 0, q)
     return {"dropout_p": dropout_p, "seed": seed, "offset": offset}
 
 

@@ -48,7 +48,7 @@ def attention(
     reuses them. Returns out, or (out, lse) with return_lse=True (lse gets no gradient)."""
     if isinstance(alibi_slopes, torch.Tensor):
         alibi_slopes = alibi_slopes.detach()
-    seed, offset = _seed_for(dropout_p, seed, offset, q)
+    seed, offset = dropout_seed(dropout_p, seed, offset, q)
     options = Options(causal=causal, scale=scale, deterministic=deterministic, block_mask=block_mask, window=window,
                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
     out, lse = FlashAttentionFunction.apply(q, k, v, options)
@@ -64,7 +64,7 @@ def attention_varlen(
     cu_seqlens tensors (or arrays), with `cupyflash.attention_varlen_backward` for autograd
     (the lengths and ALiBi slopes get no gradient); dropout as `attention`. Returns out, or
     (out, lse) with return_lse=True, lse (heads, total_q) without gradient."""
-    dropout = (dropout_p, *_seed_for(dropout_p, seed, offset, q))
+    dropout = (dropout_p, *dropout_seed(dropout_p, seed, offset, q))
     out, lse = FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                   causal, scale, deterministic, window, softcap, alibi_slopes, dropout)
     return (out, lse) if return_lse else out
@@ -74,7 +74,7 @@ def attention_varlen(
 _OFFSET_STEP = 4
 
 
-def _seed_for(dropout_p, seed, offset, x) -> tuple:
+def dropout_seed(dropout_p, seed, offset, x) -> tuple:
     """(seed, offset): as given, or with dropout and no seed, drawn from torch's generator of x's
     device. A CUDA generator gives its seed and its Philox offset, which the call advances (no
     device work, no synchronisation: flash-attn's way); the CPU generator a random seed."""
