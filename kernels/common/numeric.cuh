@@ -90,7 +90,7 @@ constexpr double kLog2e = 1.442695040888963407359924681001892137;  // log2(e): e
 // tanh_fast: their scores reach lse and out in float32, where tanh_exp2 put lse up to 1.8x past the
 // float32 bound with caps of 30-50 and few keys (16 of 3000 random problems). The backward kernels
 // take tanh_exp2: they round P to 16 bits, and at 255 registers tanh_fast spilled 8 bytes in
-// three of them. (The one-operation tanh.approx.f32, flash-attn's choice, made softcapped
+// the d16 mma.sync and d64 wgmma dK/dV kernels. (The one-operation tanh.approx.f32, flash-attn's choice, made softcapped
 // forwards 1.09-1.16x faster, but its 2^-11 relative error put lse 2-5x past the float32 bound.)
 __device__ __forceinline__ float tanh_exp2(float x) {
     return 1.f - __fdividef(2.f, exp2f(x * static_cast<float>(2.0 * kLog2e)) + 1.f);
