@@ -175,8 +175,9 @@ def check_cu_seqlens(cu_seqlens, name: str, total: int) -> numpy.ndarray:
         raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
     if cu[0] != 0:
         raise ValueError(f"{name} must start at 0, got {cu[0]}")
-    if cu.size > 1 and (numpy.diff(cu.astype(numpy.int64)) < 0).any():
-        at = int(numpy.flatnonzero(numpy.diff(cu.astype(numpy.int64)) < 0)[0])
+    steps = numpy.diff(cu.astype(numpy.int64))
+    if (steps < 0).any():
+        at = int(numpy.flatnonzero(steps < 0)[0])
         raise ValueError(f"{name} must be non-decreasing, got {cu[at]} then {cu[at + 1]} at positions {at}, {at + 1}")
     if cu[-1] != total:
         raise ValueError(f"{name}'s last value must be the packed array's length {total}, got {cu[-1]}")

@@ -25,11 +25,12 @@ def numpy_dtype(name):
     return BFLOAT16 if name == "bfloat16" else numpy.dtype(name)
 
 
-def random_qkv(rng, dtype, batch, seqlen_q, seqlen_k, heads, head_dim):
+def random_qkv(rng, dtype, batch, seqlen_q, seqlen_k, heads, head_dim, heads_kv=None):
+    """q, k, v of standard normal values in `dtype` (NumPy); k and v with heads_kv heads (GQA/MQA)."""
     dtype = numpy_dtype(dtype)
     q = rng.standard_normal((batch, seqlen_q, heads, head_dim)).astype(dtype)
-    k = rng.standard_normal((batch, seqlen_k, heads, head_dim)).astype(dtype)
-    v = rng.standard_normal((batch, seqlen_k, heads, head_dim)).astype(dtype)
+    k = rng.standard_normal((batch, seqlen_k, heads_kv or heads, head_dim)).astype(dtype)
+    v = rng.standard_normal((batch, seqlen_k, heads_kv or heads, head_dim)).astype(dtype)
     return q, k, v
 
 

@@ -27,8 +27,7 @@ def inputs(rng, dtype, shape):
     import cupy
 
     batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim = shape
-    q, _, _ = random_qkv(rng, dtype, batch, seqlen_q, seqlen_k, heads, head_dim)
-    _, k, v = random_qkv(rng, dtype, batch, seqlen_q, seqlen_k, heads_kv, head_dim)
+    q, k, v = random_qkv(rng, dtype, batch, seqlen_q, seqlen_k, heads, head_dim, heads_kv)
     dout = rng.standard_normal(q.shape).astype(q.dtype)
     return [cupy.asarray(x) for x in (q, k, v, dout)]
 

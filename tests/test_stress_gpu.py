@@ -38,21 +38,15 @@ def test_repeated_runs_give_the_same_bits(rng, warp_specialised, shape, causal, 
 
     warp_specialised(ws_backward=True, ring_slabs=ring_slabs)
     batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim = shape
-    q, _, _ = random_qkv(rng, "bfloat16", batch, seqlen_q, seqlen_k, heads, head_dim)
-    _, k, v = random_qkv(rng, "bfloat16", batch, seqlen_q, seqlen_k, heads_kv, head_dim)
-    q, k, v = (cupy.asarray(x) for x in (q, k, v))
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "bfloat16", batch, seqlen_q, seqlen_k, heads, head_dim,
+                                                   heads_kv))
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
     assert cupyflash.explain(q, k, v, causal=causal).backward.kernel.source_file == "sm90/bwd_dkdv_ws.cu"
-    first = None
-    for run in range(RUNS):
+
+    def run():
         out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
-        _, dk, dv = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
-        got = [bits(cupy.asnumpy(x)) for x in (out, lse, dk, dv)]
-        if first is None:
-            first = got
-            continue
-        for name, a, b in zip(("out", "lse", "dk", "dv"), first, got):
-            assert numpy.array_equal(a, b), f"{name} differs in run {run} from run 0"
+        return (out, lse, *cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)[1:])
+    assert_runs_repeat(run)
 
 
 @pytest.mark.parametrize("density", [0.1, 0.3])
@@ -66,13 +60,20 @@ def test_repeated_block_sparse_runs_give_the_same_bits(rng, warp_specialised, de
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
     taken = cupyflash.explain(q, k, v, block_mask=mask)
     assert (taken.forward.kernel.source_file, taken.backward.kernel.source_file) == ("sm90/fwd_ws.cu", "sm90/bwd_dkdv_ws.cu")
-    first = None
-    for run in range(RUNS):
+
+    def run():
         out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
-        _, dk, dv = cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
-        got = [bits(cupy.asnumpy(x)) for x in (out, lse, dk, dv)]
+        return (out, lse, *cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)[1:])
+    assert_runs_repeat(run)
+
+
+def assert_runs_repeat(run):
+    """run() -> (out, lse, dk, dv), RUNS times: every run's bits must be the first run's."""
+    first = None
+    for i in range(RUNS):
+        got = [bits(x.get()) for x in run()]
         if first is None:
             first = got
             continue
         for name, a, b in zip(("out", "lse", "dk", "dv"), first, got):
-            assert numpy.array_equal(a, b), f"{name} differs in run {run} from run 0"
+            assert numpy.array_equal(a, b), f"{name} differs in run {i} from run 0"
