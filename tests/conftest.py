@@ -62,6 +62,17 @@ def nan_outputs(monkeypatch):
 
 
 @pytest.fixture
+def nan_torch_outputs(monkeypatch):
+    """As nan_outputs, for the results the torch adapter allocates with torch."""
+    torch = pytest.importorskip("torch")
+    from cupyflash.frameworks import torch as adapter
+
+    monkeypatch.setattr(adapter, "empty", lambda shape, dtype, device: torch.full(shape, torch.nan, dtype=dtype,
+                                                                                  device=device))
+    monkeypatch.setattr(adapter, "empty_like", lambda x: torch.full_like(x, torch.nan))
+
+
+@pytest.fixture
 def poisoned_empty(monkeypatch):
     """`cupy.empty` returns memory with every byte 0xFF (NaN in every float type, -1 in the
     integer ones), as a memory pool's reused block might hold: a kernel that reads a workspace

@@ -185,7 +185,7 @@ def _torch_standard_attention(q, k, v, causal, scale=None):
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
-def test_torch_adapter_gradients(rng, dtype, causal, deterministic):
+def test_torch_adapter_gradients(rng, dtype, causal, deterministic, nan_torch_outputs):
     torch = pytest.importorskip("torch")
     import cupyflash.torch
 

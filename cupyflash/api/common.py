@@ -166,17 +166,23 @@ def empty(shape, dtype):
     return cupy.empty(shape, dtype=dtype)
 
 
-def forward_gpu(q, k, v, p: AttentionProblem):
-    """out, lse of the checked problem on q's GPU (CuPy arrays)."""
+def forward_shapes(p: AttentionProblem) -> tuple:
+    """The shapes of out and lse: (batch, seqlen_q, heads, head_dim) and (batch, heads, seqlen_q),
+    or packed (total_q, heads, head_dim) and (heads, total_q)."""
+    if p.cu_seqlens is not None:
+        return (p.total_q, p.heads, p.head_dim), (p.heads, p.total_q)
+    return (p.batch, p.seqlen_q, p.heads, p.head_dim), (p.batch, p.heads, p.seqlen_q)
+
+
+def forward_gpu(q, k, v, p: AttentionProblem, out=None, lse=None):
+    """out, lse of the checked problem on q's GPU (CuPy arrays), written into `out` and `lse` where
+    given (of `forward_shapes`, any strides: the adapters' own tensors)."""
     import cupy
 
     with cupy.cuda.Device(q.device.id):
-        if p.cu_seqlens is not None:  # packed: (total_q, heads, head_dim) and (heads, total_q)
-            out = empty((p.total_q, p.heads, p.head_dim), q.dtype)
-            lse = empty((p.heads, p.total_q), lse_dtype(p.dtype_name))
-        else:
-            out = empty((p.batch, p.seqlen_q, p.heads, p.head_dim), q.dtype)
-            lse = empty((p.batch, p.heads, p.seqlen_q), lse_dtype(p.dtype_name))
+        if out is None:
+            out_shape, lse_shape = forward_shapes(p)
+            out, lse = empty(out_shape, q.dtype), empty(lse_shape, lse_dtype(p.dtype_name))
         if out.size == 0:
             return out, lse
         if not p.return_lse:
@@ -199,14 +205,18 @@ def backward(arrays: dict, origins: dict, p: AttentionProblem) -> tuple:
     return tuple(frameworks.export(g, origins["q"]) for g in grads)
 
 
-def backward_gpu(dout, q, k, v, out, lse, p: AttentionProblem):
-    """dq, dk, dv of the checked problem on q's GPU (CuPy arrays)."""
+def backward_gpu(dout, q, k, v, out, lse, p: AttentionProblem, grads=None):
+    """dq, dk, dv of the checked problem on q's GPU (CuPy arrays), written into `grads` where given
+    (arrays of q's, k's and v's shapes, any strides; with seqlens_k, zeroed by the caller)."""
     import cupy
 
     with cupy.cuda.Device(q.device.id):
-        dq = empty(q.shape, q.dtype)
-        # Padding keys (seqlens_k) are no block's to write: their gradient is 0.
-        dk, dv = ((cupy.zeros if p.seqlens_k is not None else empty)(x.shape, x.dtype) for x in (k, v))
+        if grads is None:
+            dq = empty(q.shape, q.dtype)
+            # Padding keys (seqlens_k) are no block's to write: their gradient is 0.
+            dk, dv = ((cupy.zeros if p.seqlens_k is not None else empty)(x.shape, x.dtype) for x in (k, v))
+        else:
+            dq, dk, dv = grads
         launch.run(planner.plan_backward(p, dout, q, k, v, out, lse, dq, dk, dv))
     return dq, dk, dv
 

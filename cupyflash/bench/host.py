@@ -10,7 +10,10 @@ same tensors is printed for scale, and cupyflash.torch's forward (the adapter) b
 
 The "train" lines time a training step, forward then `out.backward(dout)` (bfloat16, causal), at
 (1, 256, 8, 64) and (4, 1024, 16, 128): PyTorch SDPA, cupyflash.torch.attention and
-cupyflash.flash_attn.flash_attn_func, each the loop's wall time per step.
+cupyflash.flash_attn.flash_attn_func, each the loop's wall time per step; and "python function",
+a torch.autograd.Function written in Python around torch's own FlashAttention-2 operators (as
+flash-attn's package is): what any adapter whose backward runs Python pays, on the same kernels
+as SDPA's.
 
 --fresh N: the calls go round N sets of arrays, and each call's results are kept until its set
 comes round again, as a model's layers keep theirs: every call then sees arrays at new addresses
@@ -111,6 +114,7 @@ def _training_steps(torch) -> dict:
     import cupyflash.torch
     from cupyflash.flash_attn import flash_attn_func
 
+    python_function = _python_function(torch)
     steps = {}
     for shape in ((1, 256, 8, 64), (4, 1024, 16, 128)):
         q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -120,7 +124,9 @@ def _training_steps(torch) -> dict:
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2),
             "cupyflash.torch": lambda q=q, k=k, v=v: cupyflash.torch.attention(q, k, v, causal=True),
             "flash_attn_func": lambda q=q, k=k, v=v: flash_attn_func(q, k, v, causal=True),
+            "python function": lambda q=q, k=k, v=v: python_function.apply(q, k, v),
         }
+        _check_gradients(torch, forwards, (q, k, v), dout)
         for method, forward in forwards.items():
             def step(forward=forward, inputs=(q, k, v), dout=dout):
                 for x in inputs:
@@ -128,3 +134,46 @@ def _training_steps(torch) -> dict:
                 forward().backward(dout)
             steps[f"train {method} {shape}"] = step
     return steps
+
+
+def _check_gradients(torch, forwards: dict, inputs: tuple, dout) -> None:
+    """Every method's output and gradients as SDPA's (within bfloat16 rounding), before any is timed."""
+    results = {}
+    for method, forward in forwards.items():
+        for x in inputs:
+            x.grad = None
+        out = forward()
+        out.backward(dout)
+        results[method] = [out.detach().float()] + [x.grad.float() for x in inputs]
+    for method, got in results.items():
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, results["sdpa"]):
+            error = (a - b).abs().max().item()
+            if not error <= 0.05 * max(b.abs().max().item(), 1.0):
+                raise RuntimeError(f"{method}: {name} differs from SDPA's by {error:.3g}")
+    for x in inputs:
+        x.grad = None
+
+
+def _python_function(torch):
+    """Causal attention on (batch, seq, heads, head_dim) tensors as a torch.autograd.Function in
+    Python whose forward and backward each call one of torch's FlashAttention-2 operators."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
+
+    class PythonFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = flash(q, k, v, 0.0, True)
+            ctx.save_for_backward(q, k, v, out, lse, cum_q, cum_k, seed, offset)
+            ctx.max_seqlens = max_q, max_k
+            return out.transpose(1, 2)
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse, cum_q, cum_k, seed, offset = ctx.saved_tensors
+            grads = flash_backward(dout.transpose(1, 2), q, k, v, out, lse, cum_q, cum_k, *ctx.max_seqlens, 0.0, True,
+                                   seed, offset)
+            return tuple(g.transpose(1, 2) for g in grads)
+
+    return PythonFunction

@@ -6,8 +6,9 @@
 
 Tensors have the layout of `cupyflash.attention`: (batch, seq, heads, head_dim); a
 (batch, heads, seq, head_dim) tensor passes as ``x.transpose(1, 2)`` without a copy. CUDA tensors
-are read in place and the kernels run on PyTorch's current stream of their device; results come
-back through DLPack, without copies. CPU tensors take `cupyflash.attention`'s host path.
+are read in place, the kernels run on PyTorch's current stream of their device, and the results
+are allocated by torch's caching allocator (as its own operators' are). CPU tensors take
+`cupyflash.attention`'s host path.
 Importing this module imports torch, which cupyflash does not otherwise need.
 """
 
@@ -22,7 +23,8 @@ import torch
 
 from cupyflash.api import common, varlen
 from cupyflash.frameworks import arrays as frameworks
-from cupyflash.problem import Options
+from cupyflash.problem import Options, lse_dtype
+from cupyflash.runtime import workspace
 from cupyflash.validation import BFLOAT16
 
 __all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "FlashAttentionFunction",
@@ -30,6 +32,7 @@ __all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "Fla
 
 _CUPY_DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BFLOAT16, torch.float32: numpy.float32,
                 torch.float64: numpy.float64}
+_NUMPY_DTYPES = {t: numpy.dtype(d) for t, d in _CUPY_DTYPES.items()}
 
 
 def attention(
@@ -50,7 +53,8 @@ def attention(
         alibi_slopes = alibi_slopes.detach()
     seed, offset = dropout_seed(dropout_p, seed, offset, q)
     options = Options(causal=causal, scale=scale, deterministic=deterministic, block_mask=block_mask, window=window,
-                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset,
+                      return_lse=True)
     out, lse = FlashAttentionFunction.apply(q, k, v, options)
     return (out, lse) if return_lse else out
 
@@ -92,57 +96,99 @@ def dropout_seed(dropout_p, seed, offset, x) -> tuple:
     return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)), offset
 
 
-def _as_cupy(x):
-    """A CUDA tensor of a supported dtype as a CuPy array on its memory (which the array keeps
-    alive), other tensors as they are (the generic path: DLPack, and its checks).
-
-    Not DLPack: its import asks torch for the current stream and orders it before CuPy's, in Python,
-    on every tensor (about a third of an adapter call's host time). The adapter runs on torch's
-    current stream (`_on_torch_stream`), so that ordering holds already."""
-    dtype = _CUPY_DTYPES.get(x.dtype)
-    if dtype is None or not x.is_cuda or x.numel() == 0:
-        return x
-    import cupy
-
+def _view(x) -> frameworks.DeviceView:
+    """A CUDA tensor that `_on_gpu` took, as the kernels read it in place."""
     itemsize = x.element_size()
-    shape, strides = tuple(x.shape), x.stride()
-    extent = itemsize * (1 + sum((n - 1) * stride for n, stride in zip(shape, strides)))
-    memory = cupy.cuda.UnownedMemory(x.data_ptr(), extent, x, x.device.index)
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0),
-                        strides=tuple(stride * itemsize for stride in strides))
+    return frameworks.DeviceView(x.data_ptr(), tuple(x.shape), tuple(s * itemsize for s in x.stride()),
+                                 _NUMPY_DTYPES[x.dtype], x.device.index, x)
 
 
 def _as_torch(x):
-    """A result as a torch tensor (DLPack, no copy): CuPy arrays of the inputs `_as_cupy` took in."""
+    """A result of the generic path as a torch tensor (DLPack, no copy)."""
     return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+
+
+def _on_gpu(*tensors) -> bool:
+    """Whether the kernels take these tensors in place: CUDA tensors of the dtypes they read. Others
+    (CPU tensors, other dtypes, empty ones) go the generic way, whose checks name what is wrong."""
+    return all(isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in _CUPY_DTYPES and x.numel() for x in tensors)
+
+
+def empty(shape, dtype, device):
+    """Result allocation from torch's caching allocator, on its current stream (tests fill it with
+    NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def empty_like(x):
+    """A gradient for x: x's strides where x is dense (autograd would otherwise copy it to them)."""
+    return torch.empty_like(x)
+
+
+# CuPy streams wrapping torch's, by (device, cudaStream_t): one per stream a process uses, not one a
+# call.
+_STREAMS: dict = {}
+_STREAMS_KEPT = 64
+
+
+class _TorchStream:
+    """`with _TorchStream(x):` runs CuPy on x's device and PyTorch's current stream there."""
+
+    __slots__ = ("device", "stream")
+
+    def __init__(self, x):
+        import cupy
+
+        index = x.device.index
+        self.device = cupy.cuda.Device(index)
+        handle = torch.cuda.current_stream(index).cuda_stream
+        stream = _STREAMS.get((index, handle))
+        if stream is None:
+            with self.device:
+                stream = frameworks.external_stream(handle, index)
+            workspace.keep_bounded(_STREAMS, (index, handle), stream, _STREAMS_KEPT)
+        self.stream = stream
+
+    def __enter__(self):
+        self.device.__enter__()
+        self.stream.__enter__()
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        self.device.__exit__(*exc)
 
 
 def _on_torch_stream(x):
     """CuPy's current stream set to PyTorch's current stream on x's device (nothing for CPU)."""
-    if not x.is_cuda:
-        return contextlib.nullcontext()
-    import cupy
+    return _TorchStream(x) if x.is_cuda else contextlib.nullcontext()
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(cupy.cuda.Device(x.device.index))
-    stream = torch.cuda.current_stream(x.device)
-    stack.enter_context(frameworks.external_stream(stream.cuda_stream, x.device.index))
-    return stack
+
+_LSE_DTYPES = {numpy.dtype(numpy.float32): torch.float32, numpy.dtype(numpy.float64): torch.float64}
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     """Forward: out, lse = cupyflash.attention(...); saves q, k, v, out, lse (O(seqlen) extra) and
     returns both (lse without gradient). Backward: cupyflash.attention_backward, recomputing the
-    attention matrix tile by tile."""
+    attention matrix tile by tile. CUDA tensors are read in place and the results allocated by
+    torch; other tensors take `cupyflash.attention`'s generic path (DLPack, and its checks)."""
 
     @staticmethod
     def forward(ctx, q, k, v, options: Options):
-        # DLPack refuses tensors that require grad; the kernels only read them.
-        q, k, v = (x.detach() for x in (q, k, v))
-        with _on_torch_stream(q):
-            given = dict(zip(("q", "k", "v"), map(_as_cupy, (q, k, v))))
-            out, lse = common.forward_call(given, dataclasses.replace(options, return_lse=True))
-            out, lse = _as_torch(out), _as_torch(lse)
+        if options.return_lse is not True:  # (lse is saved for the backward)
+            options = dataclasses.replace(options, return_lse=True)
+        if _on_gpu(q, k, v):
+            with _TorchStream(q):
+                arrays, origins = common.ingest({"q": _view(q), "k": _view(k), "v": _view(v)})
+                p = common.checked_problem("forward", arrays, origins, options)
+                out_shape, lse_shape = common.forward_shapes(p)
+                out = empty(out_shape, q.dtype, q.device)
+                lse = empty(lse_shape, _LSE_DTYPES[lse_dtype(p.dtype_name)], q.device)
+                common.forward_gpu(*arrays.values(), p, _view(out), _view(lse))
+        else:
+            # DLPack refuses tensors that require grad; the kernels only read them.
+            given = dict(zip(("q", "k", "v"), (x.detach() if isinstance(x, torch.Tensor) else x for x in (q, k, v))))
+            with _on_torch_stream(q):
+                out, lse = map(_as_torch, common.forward_call(given, options))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
@@ -150,14 +196,24 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = (x.detach() for x in ctx.saved_tensors)  # out requires grad
-        dout = dout.detach()
+        q, k, v, out, lse = ctx.saved_tensors
         if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
             dout = dout.contiguous()
-        with _on_torch_stream(q):
-            given = dict(zip(common.BACKWARD_ARRAYS, map(_as_cupy, (dout, q, k, v, out, lse))))
-            dq, dk, dv = map(_as_torch, common.backward_call(given, ctx.options))
-        return dq, dk, dv, None
+        if _on_gpu(dout, q, k, v, out, lse):
+            with _TorchStream(q):
+                given = dict(zip(common.BACKWARD_ARRAYS, map(_view, (dout, q, k, v, out, lse))))
+                arrays, origins = common.ingest(given)
+                p = common.checked_problem("backward", arrays, origins, ctx.options)
+                grads = tuple(empty_like(x) for x in (q, k, v))
+                if p.seqlens_k is not None:  # padding keys are no block's to write: their gradient is 0
+                    grads[1].zero_()
+                    grads[2].zero_()
+                common.backward_gpu(*arrays.values(), p, tuple(map(_view, grads)))
+        else:
+            given = dict(zip(common.BACKWARD_ARRAYS, (x.detach() for x in (dout, q, k, v, out, lse))))
+            with _on_torch_stream(q):
+                grads = tuple(map(_as_torch, common.backward_call(given, ctx.options)))
+        return (*grads, None)
 
 
 class FlashAttentionVarlenFunction(torch.autograd.Function):

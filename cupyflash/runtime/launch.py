@@ -17,29 +17,50 @@ def run(plan) -> None:
 
 
 def launch(kernel, device_id: int, grid, params: numpy.ndarray, *more: numpy.ndarray) -> None:
-    """Launches `kernel` with its parameter struct (`more`: byte images of further by-value
-    arguments, such as the Hopper kernels' tensor maps)."""
-    cpointer = _cpointer()
-    function = compiler.get_function(kernel, device_id)
-    # The struct goes by address: CuPy's by-value path for a NumPy record rebuilds its
-    # __array_interface__ (the whole field description) on every launch, about 50 us for BwdParams.
-    # The arrays outlive the call, and the launch copies the bytes.
-    arguments = tuple(cpointer(_address(x)) for x in (params, *more))
-    function(grid, (kernel.num_threads,), arguments, shared_mem=kernel.smem_bytes)
+    """Launches `kernel` on CuPy's current stream with its parameter struct (`more`: byte images of
+    further by-value arguments, such as the Hopper kernels' tensor maps).
+
+    Straight through the driver's cuLaunchKernel with the arguments' addresses: CuPy's kernel call,
+    which wraps each argument, took about 7 us more a launch on an H200 machine's host (a
+    backward's three launches: 63 against 42 us). The arrays outlive the call, and the launch
+    copies the bytes."""
+    addresses = numpy.array([_address(x) for x in (params, *more)], numpy.uint64)
+    x, y, z = (*grid, 1, 1)[:3]
+    _driver().launchKernel(_function_pointer(kernel, device_id), x, y, z, kernel.num_threads, 1, 1, kernel.smem_bytes,
+                           _current_stream_ptr(), _address(addresses), 0)
 
 
 @functools.cache
-def _cpointer():
-    """CuPy's CPointer, imported once: an import inside `launch` costs about 2 us a launch."""
-    from cupy.cuda.function import CPointer
+def _function_pointer(kernel, device_id: int) -> int:
+    """The CUfunction of the kernel compiled for the device (compiler.get_function's)."""
+    import cupy
 
-    return CPointer
+    with cupy.cuda.Device(device_id):
+        return compiler.get_function(kernel, device_id).kernel.ptr
+
+
+@functools.cache
+def _driver():
+    """CuPy's binding of the CUDA driver API, imported once."""
+    from cupy.cuda import driver
+
+    return driver
+
+
+def _current_stream_ptr() -> int:
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
 
 
 def _address(x: numpy.ndarray) -> int:
     """The address of an array's bytes, through ctypes' view of its buffer: about half the time of
-    numpy's .ctypes.data (0.5 against 1.1 us on the H200 machine's host). Arrays ctypes cannot view
+    numpy's .ctypes.data (0.5 against 1.1 us on the H200 machine's host). A parameter struct (a
+    record) is viewed as bytes first: its buffer would carry the struct's whole field format, which
+    numpy writes out on every request (about 5 us for BwdParams). Arrays ctypes cannot view
     (read-only, empty or not contiguous) take .ctypes.data."""
+    if x.dtype.names is not None:
+        x = x.view(numpy.uint8)
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(x))
     except (TypeError, ValueError):
