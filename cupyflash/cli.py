@@ -5,7 +5,8 @@ commands, `python -m cupyflash COMMAND --help` each one's options.
                         float64 reference and timed beside standard CuPy attention (no GPU: the
                         NumPy tiled fallback on a small problem)
     bench               the benchmark grids against PyTorch's SDPA backends, FlexAttention and
-                        standard attention (--sparse, --decode, --varlen, --variants, --host)
+                        standard attention (--sparse, --decode, --varlen, --variants, --host;
+                        --cpu: the NumPy fallback beside plain NumPy attention, no GPU needed)
     explain             which kernels a call would take and why (no GPU needed with
                         --compute-capability)
     check-kernels       compiles every kernel instantiation with NVRTC (no GPU needed): registers,
@@ -52,10 +53,12 @@ def main(argv=None) -> int:
 def bench_command(argv) -> int:
     from cupyflash.runtime.device import gpu_available
 
-    offline = any(a in ("-h", "--help", "--table") for a in argv)  # (--table re-scores a recorded CSV)
+    # (--table re-scores a recorded CSV; --cpu times the NumPy fallback)
+    offline = any(a in ("-h", "--help", "--table", "--cpu") for a in argv)
     if not offline and not gpu_available():
         print("python -m cupyflash bench needs an NVIDIA GPU with a CUDA driver (cupy.cuda.is_available() is "
-              "False here); `python -m cupyflash check-kernels` and `explain --compute-capability` run without one.",
+              "False here); `python -m cupyflash bench --cpu`, `check-kernels` and `explain --compute-capability` run "
+              "without one.",
               file=sys.stderr)
         return 2
     from cupyflash import bench

@@ -17,6 +17,17 @@ def test_main_command_without_gpu_runs_the_numpy_fallback():
     assert "backward" in rest[0]
 
 
+def test_cpu_benchmark_times_the_fallback_beside_plain_numpy():
+    cmd = [sys.executable, "-m", "cupyflash", "bench", "--cpu", "--seqlen", "130", "--heads", "2", "--head-dim", "24",
+           "--repeat", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("True", "False"))]
+    errors = {(row[0], row[1]): float(row[-1]) for row in rows if "fwd" not in row}
+    assert len(rows) == 6 and len(errors) == 4  # plain and fallback forward, fallback fwd + bwd; causal and not
+    assert max(errors.values()) < 1e-5  # float32 against the float64 reference
+
+
 def test_bad_option_is_an_argparse_error():
     done = subprocess.run([sys.executable, "-m", "cupyflash", "--dtype", "int8"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "invalid choice: 'int8'" in done.stderr

@@ -27,7 +27,7 @@ from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference
 
 PROBLEMS = int(os.environ.get("CUPYFLASH_PROPERTY_PROBLEMS", "60"))
-CPU_PROBLEMS = 20
+CPU_PROBLEMS = int(os.environ.get("CUPYFLASH_PROPERTY_CPU_PROBLEMS", "20"))
 MAX_SEQLEN = 5000
 
 

@@ -9,6 +9,7 @@ timing, the peers and the result files).
     --variants    GQA, windows, softcap, ALiBi, dropout against dense causal attention (variants.py)
     --host        the host's time per call, beside SDPA's and the torch adapter's (host.py)
     --accuracy    16-bit errors against float64 beside FlashAttention-2's, on random problems (accuracy.py)
+    --cpu         the CPU fallback beside plain NumPy attention; needs no GPU (cpu.py)
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-GRIDS = {"sparse": "sparse", "decode": "decode", "varlen": "varlen", "variants": "variants", "host": "host", "accuracy": "accuracy"}
+GRIDS = {"sparse": "sparse", "decode": "decode", "varlen": "varlen", "variants": "variants", "host": "host", "accuracy": "accuracy",
+         "cpu": "cpu"}
 
 
 def main(argv) -> int:

@@ -10,12 +10,13 @@ The grid is FlashAttention's: batch x seqlen = 16384 tokens, hidden 2048 (heads 
 causal and not. For each problem, on the same inputs (random normal, never zeros):
   1. correctness: out, dq, dk, dv of (batch 0, head 0) against float64 standard attention on the GPU;
      the bound is the tolerance rule (2x the error of the same computation in the input precision,
-     here PyTorch's flash backend or, without torch, standard attention, plus a noise floor);
+     here PyTorch's flash backend for 16-bit inputs, otherwise standard attention, plus a noise floor);
   2. timing: CUDA events around batches of back-to-back calls after warm-up (GPU time per call,
      with Python's launch overhead hidden behind the GPU work, as in a training loop), the median
      of many batches, for
      cupyflash (the public attention / attention_backward on CuPy arrays), PyTorch SDPA's flash
-     (FlashAttention-2), cuDNN and mem-efficient backends, FlexAttention (with --flex; compiled
+     (FlashAttention-2), cuDNN and mem-efficient backends (and math for float32 and float64: flash and
+     cuDNN take only 16-bit inputs), FlexAttention (with --flex; compiled
      once per shape), and standard CuPy attention (its backward time is forward+backward minus
      forward; skipped where its seqlen x seqlen matrices do not fit in free memory).
 FLOPs: forward 4·b·h·s_q·s_k·d, halved for causal; backward 2.5x forward. A peer that is not
@@ -62,7 +63,8 @@ class Problem:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m cupyflash bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtype", action="append", choices=["bfloat16", "float16"], help="default: both")
+    ap.add_argument("--dtype", action="append", choices=["bfloat16", "float16", "float32", "float64"],
+                    help="default: bfloat16 and float16 (float32 and float64 add SDPA's math backend)")
     ap.add_argument("--head-dim", type=int, action="append", help="main grid head dims (default 64, 128)")
     ap.add_argument("--seqlen", type=int, action="append", help="default 512 1024 2048 4096 8192 16384")
     ap.add_argument("--extra-head-dim", type=int, action="append",
@@ -96,10 +98,12 @@ def time_torch_sdpa(peers, backend, pr, q, k, v, dout, max_seconds):
     torch = peers.torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if backend == "math" and (why := _materialised_too_big(pr)):
+        return why
     tq, tk, tv = (common.torch_view(x).detach().requires_grad_() for x in (q, k, v))
     tdo = common.torch_view(dout)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    with sdpa_kernel(getattr(SDPBackend, TORCH_BACKENDS[backend])):
+    with sdpa_kernel(getattr(SDPBackend, {**TORCH_BACKENDS, **WIDE_BACKENDS}[backend])):
         try:
             out = sdpa(tq, tk, tv, is_causal=pr.causal)
         except RuntimeError as e:  # the backend does not support this problem here
@@ -123,16 +127,37 @@ def time_flex(peers, pr, q, k, v, dout, max_seconds):
     return fwd, bwd
 
 
+# SDPA's backend for float32 and float64 beside the memory-efficient one (the only other that takes
+# them): PyTorch's math, cuBLAS products on the materialised score matrix.
+WIDE_BACKENDS = {"math": "MATH"}
+
+
+def _materialised_too_big(pr) -> str | None:
+    """Why attention that holds the (seqlen, seqlen) matrices cannot run here (None: it can)."""
+    import cupy
+
+    # P and dS per head in the input precision (float32 for 16-bit), plus the scores: about 4
+    # elements of 4 bytes per score at peak, twice that in float64.
+    need = (32 if pr.dtype == "float64" else 16) * pr.batch * pr.heads * pr.seqlen**2
+    # Both pools' cached blocks back to the device first: each sees only its own, and torch's cache
+    # from the SDPA rows before left "22 GiB free" of an H200's 139 to CuPy.
+    cupy.get_default_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    free = cupy.cuda.Device().mem_info[0]
+    if need > 0.8 * free:
+        return f"skipped: needs ~{need / 2**30:.0f} GiB for seqlen x seqlen matrices, {free / 2**30:.0f} GiB free"
+    return None
+
+
 def time_standard(pr, q, k, v, dout, max_seconds):
     import cupy
 
     from cupyflash import standard
 
-    # P and dS per head in float32, plus the scores: about 16 bytes per score element at peak.
-    need = 16 * pr.batch * pr.heads * pr.seqlen**2
-    free = cupy.cuda.Device().mem_info[0] + cupy.get_default_memory_pool().free_bytes()
-    if need > 0.8 * free:
-        return f"skipped: needs ~{need / 2**30:.0f} GiB for seqlen x seqlen matrices, {free / 2**30:.0f} GiB free"
+    if why := _materialised_too_big(pr):
+        return why
     fwd = common.median_ms(lambda: standard.standard_attention(q, k, v, causal=pr.causal), max_seconds)
     both = common.median_ms(lambda: standard.standard_attention_forward_backward(q, k, v, dout, causal=pr.causal), max_seconds)
     cupy.get_default_memory_pool().free_all_blocks()
@@ -157,7 +182,7 @@ def check(pr, q, k, v, dout, out, grads, peers):
     )
     ours = [head(out)] + [head(g) for g in grads]
     exact = [exact_out] + list(exact_grads)
-    if peers.torch is not None:
+    if peers.torch is not None and pr.dtype in ("float16", "bfloat16"):
         torch = peers.torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -210,7 +235,7 @@ def main(argv=None) -> int:
             )
         }
         if peers.torch is not None:
-            for backend in TORCH_BACKENDS:
+            for backend in [*TORCH_BACKENDS, *(WIDE_BACKENDS if pr.dtype in ("float32", "float64") else ())]:
                 timings[f"torch-{backend}"] = time_torch_sdpa(peers, backend, pr, q, k, v, dout, args.max_seconds)
         if peers.flex is not None:
             timings["flex"] = time_flex(peers, pr, q, k, v, dout, args.max_seconds)

@@ -1,12 +1,31 @@
-"""The CPU fallback: a checked problem computed by the tiled NumPy algorithm (cpu/tiled.py) in
-float64, the results cast to the input's dtype. It serves NumPy inputs where no GPU is available."""
+"""The CPU fallback: a checked problem computed by the tiled NumPy algorithm (cpu/tiled.py), the
+results cast to the input's dtype. It serves NumPy inputs where no GPU is available.
+
+It computes as the kernels accumulate: float64 for float64 inputs, float32 for the others; its
+tiles are large, so that each step is a few BLAS products over all heads at once, and bounded, so
+that memory stays O(seqlen x block) where plain attention holds every score."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy
 
 from cupyflash.cpu import reference, tiled
 from cupyflash.problem import AttentionProblem, DecodeProblem, lse_dtype
+
+# Keys a tile takes, and the most scores one tile holds (its rows follow from the batch and heads):
+# 4 MiB of float32 scores a step, which the BLAS products and exp2 run through at their pace.
+BLOCK_N = 512
+TILE_SCORES = 1 << 20
+
+
+def _tiled(function, p: AttentionProblem, batch: int | None = None):
+    """`function` (tiled_attention or its backward) with the fallback's compute dtype and tiles for
+    the problem (batch: entries a call takes at once, p.batch unless said)."""
+    compute = numpy.float64 if p.dtype_name == "float64" else numpy.float32
+    block_m = max(16, min(256, TILE_SCORES // ((batch or p.batch) * p.heads * BLOCK_N)))
+    return functools.partial(function, compute=compute, block_m=block_m, block_n=BLOCK_N)
 
 
 def _options(p: AttentionProblem) -> dict:
@@ -21,12 +40,12 @@ def forward(q, k, v, p: AttentionProblem):
     """(out, lse) of the problem."""
     options = _options(p)
     if p.cu_seqlens is not None:
-        out, lse = reference.attention_varlen(q, k, v, *p.cu_seqlens, return_lse=True, forward=tiled.tiled_attention,
-                                              **options)
+        out, lse = reference.attention_varlen(q, k, v, *p.cu_seqlens, return_lse=True,
+                                              forward=_tiled(tiled.tiled_attention, p, 1), **options)
     elif p.seqlens_k is not None:
-        out, lse = _per_batch_entry(tiled.tiled_attention, p, (q,), (k, v), return_lse=True, **options)
+        out, lse = _per_batch_entry(_tiled(tiled.tiled_attention, p, 1), p, (q,), (k, v), return_lse=True, **options)
     else:
-        out, lse = tiled.tiled_attention(q, k, v, return_lse=True, block_mask=p.block_mask, **options)
+        out, lse = _tiled(tiled.tiled_attention, p)(q, k, v, return_lse=True, block_mask=p.block_mask, **options)
     return out.astype(q.dtype), lse.astype(lse_dtype(p.dtype_name))
 
 
@@ -35,12 +54,13 @@ def backward(dout, q, k, v, out, lse, p: AttentionProblem):
     options = _options(p)
     if p.cu_seqlens is not None:
         grads = reference.attention_varlen_backward(dout, q, k, v, *p.cu_seqlens, out=out, lse=lse,
-                                                    backward=tiled.tiled_attention_backward, **options)
+                                                    backward=_tiled(tiled.tiled_attention_backward, p, 1), **options)
     elif p.seqlens_k is not None:
-        grads = _per_batch_entry(lambda dout_b, q_b, out_b, lse_b, k_b, v_b, **kw: tiled.tiled_attention_backward(
+        entry_backward = _tiled(tiled.tiled_attention_backward, p, 1)
+        grads = _per_batch_entry(lambda dout_b, q_b, out_b, lse_b, k_b, v_b, **kw: entry_backward(
             dout_b, q_b, k_b, v_b, out_b, lse_b, **kw), p, (dout, q, out, lse), (k, v), key_results=(1, 2), **options)
     else:
-        grads = tiled.tiled_attention_backward(dout, q, k, v, out, lse, block_mask=p.block_mask, **options)
+        grads = _tiled(tiled.tiled_attention_backward, p)(dout, q, k, v, out, lse, block_mask=p.block_mask, **options)
     return tuple(g.astype(q.dtype) for g in grads)
 
 
@@ -69,7 +89,7 @@ def decode(q, k, v, d: DecodeProblem):
     slopes = None if p.alibi_slopes is None else reference.as_float64(p.alibi_slopes)
     for b in range(p.batch):
         n = p.seqlen_k if d.cache_seqlens is None else int(d.cache_seqlens[b])
-        o, l = tiled.tiled_attention(
+        o, l = _tiled(tiled.tiled_attention, p, 1)(
             q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], causal=p.causal, scale=p.scale, return_lse=True,
             window=p.window, softcap=p.softcap, alibi_slopes=None if slopes is None else slopes[b % slopes.shape[0]],
         )

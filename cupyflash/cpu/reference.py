@@ -26,17 +26,23 @@ LOG2E = math.log2(math.e)  # log2(e): exp(x) = exp2(x * log2(e))
 
 
 def as_float64(x):
+    return as_array(x, numpy.float64)
+
+
+def as_array(x, dtype):
+    """x as a new NumPy array of dtype (CuPy and DLPack arrays copied to the host first)."""
     if type(x).__module__.split(".")[0] == "cupy":
         x = x.get()
     elif not isinstance(x, numpy.ndarray) and hasattr(x, "__dlpack__"):
         x = numpy.from_dlpack(x)
-    return numpy.asarray(x).astype(numpy.float64)
+    return numpy.asarray(x).astype(dtype)
 
 
 def prepare(q, k, v, causal, scale, return_lse, block_mask=None, window=None, softcap=None, alibi_slopes=None,
-             dropout=(0.0, None, 0)):
-    """The validated problem and q, k, v in float64, k and v repeated to q's heads (GQA/MQA);
-    ALiBi slopes, if any, as float64 NumPy in the problem; dropout = (dropout_p, seed, offset)."""
+             dropout=(0.0, None, 0), dtype=numpy.float64):
+    """The validated problem and q, k, v as NumPy arrays of dtype (float64 unless asked), k and v
+    repeated to q's heads (GQA/MQA); ALiBi slopes, if any, as float64 NumPy in the problem;
+    dropout = (dropout_p, seed, offset)."""
     q, k, v = (x if hasattr(x, "ndim") else numpy.asarray(x) for x in (q, k, v))
     problem = validation.check_attention_args(
         q, k, v, causal=causal, scale=scale, return_lse=return_lse, window=window, softcap=softcap
@@ -46,8 +52,8 @@ def prepare(q, k, v, causal, scale, return_lse, block_mask=None, window=None, so
     if block_mask is not None:
         problem = checked_for(block_mask, problem)
     problem = validation.check_dropout(*dropout, problem)
-    k, v = (numpy.repeat(as_float64(x), problem.kv_group, axis=2) for x in (k, v))
-    return problem, as_float64(q), k, v
+    k, v = (numpy.repeat(as_array(x, dtype), problem.kv_group, axis=2) for x in (k, v))
+    return problem, as_array(q, dtype), k, v
 
 
 def _keep_mask(p, batch_start: int):
@@ -403,9 +409,9 @@ def attention_backward_in_precision(
 
 
 def prepare_backward(dout, q, k, v, causal, scale, block_mask=None, window=None, softcap=None, alibi_slopes=None,
-                      dropout=(0.0, None, 0)):
-    p, q, k, v = prepare(q, k, v, causal, scale, False, block_mask, window, softcap, alibi_slopes, dropout)
-    dout = as_float64(dout)
+                      dropout=(0.0, None, 0), dtype=numpy.float64):
+    p, q, k, v = prepare(q, k, v, causal, scale, False, block_mask, window, softcap, alibi_slopes, dropout, dtype)
+    dout = as_array(dout, dtype)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
     return p, dout, q, k, v

@@ -15,57 +15,70 @@ from cupyflash.cpu import philox, reference
 
 def tiled_attention(
     q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None, block_mask=None, window=None,
-    softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
+    softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0, compute=numpy.float64,
 ):
-    """FlashAttention-2's forward, block by block, as the GPU kernel schedules it (float64).
+    """FlashAttention-2's forward, block by block, as the GPU kernel schedules it.
 
     block_m, block_n default to the kernel's tile for this dtype and head dim (with a block mask,
     cut to divide its block size). With block_mask (block-sparse FlashAttention, Algorithm 5), a
     query block visits only the key blocks its mask row lists, in the kernels' order. With causal or
     a window, only the key blocks in its band. softcap and alibi_slopes modify each tile's scores;
     dropout regenerates each tile's keep mask from its coordinates, as the kernels do (arguments as
-    `attention`).
+    `attention`). Each tile's products are matrix products over all its heads at once (BLAS), in
+    the `compute` dtype (float64 unless asked; the CPU fallback takes float32 for 32- and 16-bit
+    inputs, as the kernels accumulate); out and lse come back in it.
     """
-    p, q, k, v = reference.prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
+    p, q, k, v = reference.prepare(q, k, v, causal, scale, return_lse, block_mask, window, softcap, alibi_slopes,
+                                   dropout=(dropout_p, seed, offset), dtype=compute)
     tile = tiles.tile_shape(p.dtype_name, tiles.padded_head_dim(p.head_dim))
     block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
     sq, sk = p.seqlen_q, p.seqlen_k
-    out = numpy.empty((p.batch, sq, p.heads, p.head_dim))
-    lse = numpy.empty((p.batch, p.heads, sq))
-    scale_log2 = p.scale * reference.LOG2E  # scores in log2 units, so the kernel needs only exp2
+    qh, kh, vh = _heads_major(q, k, v)
+    out = numpy.empty((p.batch, sq, p.heads, p.head_dim), compute)
+    lse = numpy.empty((p.batch, p.heads, sq), compute)
+    scale_log2 = compute(p.scale * reference.LOG2E)  # scores in log2 units, so the kernel needs only exp2
 
     for slab, bs, hs in _mask_slabs(p):  # batch entries and heads that share one mask slab
         for row0 in range(0, sq, block_m):  # one thread block per query block i (and head, batch)
             rows = min(block_m, sq - row0)
-            q_i = q[bs, row0 : row0 + rows, hs] * scale_log2  # Q_i, prescaled, on chip for the whole loop
-            o_i = numpy.zeros((q_i.shape[0], q_i.shape[2], rows, p.head_dim))
-            m_i = numpy.full(o_i.shape[:3] + (1,), -numpy.inf)
+            q_i = qh[bs, hs, row0 : row0 + rows] * scale_log2  # Q_i, prescaled, on chip for the whole loop
+            o_i = numpy.zeros(q_i.shape, compute)
+            m_i = numpy.full(q_i.shape[:3] + (1,), -numpy.inf, compute)
             l_i = numpy.zeros_like(m_i)
             for n_block in key_tiles(p, slab, row0, rows, block_n):
                 col0 = n_block * block_n
                 cols = min(block_n, sk - col0)
-                s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i, k[bs, col0 : col0 + cols, hs])
-                s_ij, _ = reference.modify_scores(s_ij, p, numpy.float64, row0, col0, bs, hs, reference.LOG2E)
+                s_ij = q_i @ kh[bs, hs, col0 : col0 + cols].swapaxes(-1, -2)
+                s_ij, _ = reference.modify_scores(s_ij, p, compute, row0, col0, bs, hs, reference.LOG2E)
                 # Like the kernel, mask only tiles an edge of the band cuts through (a slice needs
                 # no seqlen_k mask: it holds no key past the end).
                 if p.local and reference.band_cuts(p, row0, rows, col0, cols):
                     s_ij[..., reference.tile_hidden(p, row0, rows, col0, cols)] = -numpy.inf
                 m_new = numpy.maximum(m_i, s_ij.max(axis=-1, keepdims=True))
-                m_safe = numpy.where(numpy.isneginf(m_new), 0.0, m_new)  # no -inf - -inf = NaN
-                p_ij = numpy.exp2(s_ij - m_safe)
+                m_safe = numpy.where(numpy.isneginf(m_new), compute(0), m_new)  # no -inf - -inf = NaN
+                s_ij -= m_safe
+                p_ij = numpy.exp2(s_ij, out=s_ij)
                 rescale = numpy.exp2(m_i - m_safe)
                 l_i = l_i * rescale + p_ij.sum(axis=-1, keepdims=True)
                 if p.dropout:  # P_ij ∘ Z_ij, after l_i took every probability in
-                    p_ij = p_ij * _tile_keep(p, dropout_batch_start, bs, hs, row0, rows, col0, cols)
-                o_i = o_i * rescale + numpy.einsum("bhqk,bkhd->bhqd", p_ij, v[bs, col0 : col0 + cols, hs])
+                    p_ij *= _tile_keep(p, dropout_batch_start, bs, hs, row0, rows, col0, cols)
+                o_i = o_i * rescale + p_ij @ vh[bs, hs, col0 : col0 + cols]
                 m_i = m_new
             # Epilogue: one final rescale of O_i (and dropout's 1 / (1 - p)), lse written once; rows
             # that saw no key get 0 / -inf.
-            o_i = numpy.divide(o_i * philox.rescale(p.dropout_p), l_i, out=numpy.zeros_like(o_i), where=l_i > 0)
+            o_i = numpy.divide(o_i * compute(philox.rescale(p.dropout_p)), l_i, out=numpy.zeros_like(o_i),
+                               where=l_i > 0)
             out[bs, row0 : row0 + rows, hs] = o_i.transpose(0, 2, 1, 3)
             with numpy.errstate(divide="ignore"):
-                lse[bs, hs, row0 : row0 + rows] = numpy.where(l_i > 0, m_i / reference.LOG2E + numpy.log(l_i), -numpy.inf)[..., 0]
+                lse[bs, hs, row0 : row0 + rows] = numpy.where(l_i > 0, m_i / compute(reference.LOG2E) + numpy.log(l_i),
+                                                              -numpy.inf)[..., 0]
     return (out, lse) if p.return_lse else out
+
+
+def _heads_major(*arrays) -> tuple:
+    """(batch, seq, heads, head_dim) arrays as (batch, heads, seq, head_dim) copies, whose tiles'
+    rows are contiguous: each head's product is then one BLAS call."""
+    return tuple(numpy.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in arrays)
 
 
 def _tile_keep(p, batch_start, bs, hs, row0, rows, col0, cols):
@@ -160,63 +173,69 @@ def query_tiles(p, slab, col0: int, cols: int, block_m: int) -> list[int]:
 
 def tiled_attention_backward(
     dout, q, k, v, out, lse, *, causal=False, scale=None, block_m=None, block_n=None, block_mask=None, window=None,
-    softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0,
+    softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0, compute=numpy.float64,
 ):
-    """FlashAttention-2's backward (Algorithm 2) in float64, block by block as the dK/dV kernel
-    schedules it: an outer loop over key blocks holding dK_j, dV_j, an inner loop over the query
-    blocks that can see them (in the band; with block_mask, those its mask column lists), P_ij
-    recomputed from the saved lse, dQ summed across key blocks; GQA/MQA: dK, dV summed over each
-    group of query heads. Dropout as the kernels do it (kernels/scalar/bwd_steps.cuh): D_i' = (1 - p) D_i,
+    """FlashAttention-2's backward (Algorithm 2), block by block as the dK/dV kernel schedules it:
+    an outer loop over key blocks holding dK_j, dV_j, an inner loop over the query blocks that can
+    see them (in the band; with block_mask, those its mask column lists), P_ij recomputed from the
+    saved lse, dQ summed across key blocks; GQA/MQA: dK, dV summed over each group of query heads.
+    Dropout as the kernels do it (kernels/scalar/bwd_steps.cuh): D_i' = (1 - p) D_i,
     dS = P ∘ (Z ? dP - D' : -D'), and 1 / (1 - p) on dV, dK, dQ.
 
     Arguments as `cupyflash.attention_backward`: `out` and `lse` are the forward's. block_m
-    (query rows per step) and block_n (keys per block) default to the kernel's tile. Returns
-    float64 (dq, dk, dv).
+    (query rows per step) and block_n (keys per block) default to the kernel's tile; `compute` as
+    in `tiled_attention`. Returns (dq, dk, dv) in it.
     """
-    p, dout, q, k, v = reference.prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap, alibi_slopes, dropout=(dropout_p, seed, offset))
-    out, lse = reference.as_float64(out), reference.as_float64(lse)
+    p, dout, q, k, v = reference.prepare_backward(dout, q, k, v, causal, scale, block_mask, window, softcap,
+                                                  alibi_slopes, dropout=(dropout_p, seed, offset), dtype=compute)
+    out, lse = reference.as_array(out, compute), reference.as_array(lse, compute)
     tile = tiles.dkdv_tile_shape(p.dtype_name, tiles.padded_head_dim(p.head_dim))
     block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
     sq, sk = p.seqlen_q, p.seqlen_k
     # Preprocessing: D_i = rowsum(dO_i * O_i); lse in log2 units, +inf where no key was seen so
     # that P = exp2(s - lse) is exactly 0 there (as -inf would give NaN on masked scores).
-    rescale = philox.rescale(p.dropout_p)
-    d = numpy.einsum("bqhd,bqhd->bhq", dout, out)[..., None] / rescale
-    lse_log2 = numpy.where(numpy.isneginf(lse), numpy.inf, lse * reference.LOG2E)[..., None]
-    scale_log2 = p.scale * reference.LOG2E
-    dq = numpy.zeros(q.shape)
-    dk = numpy.zeros(k.shape)
-    dv = numpy.zeros(v.shape)
+    rescale = compute(philox.rescale(p.dropout_p))
+    d = ((dout * out).sum(axis=-1).transpose(0, 2, 1) / rescale)[..., None]
+    lse_log2 = numpy.where(numpy.isneginf(lse), numpy.inf, lse * compute(reference.LOG2E))[..., None]
+    scale_log2 = compute(p.scale * reference.LOG2E)
+    grad_scale = compute(p.scale) * rescale
+    qh, kh, vh, doh = _heads_major(q, k, v, dout)
+    dq = numpy.zeros(qh.shape, compute)
+    dk = numpy.zeros(kh.shape, compute)
+    dv = numpy.zeros(vh.shape, compute)
 
     for slab, bs, hs in _mask_slabs(p):
         for col0 in range(0, sk, block_n):  # one thread block per key block j (and head, batch)
             cols = min(block_n, sk - col0)
-            k_j, v_j = k[bs, col0 : col0 + cols, hs], v[bs, col0 : col0 + cols, hs]
-            dk_j = numpy.zeros_like(k_j)
-            dv_j = numpy.zeros_like(k_j)
+            k_j, v_j = kh[bs, hs, col0 : col0 + cols], vh[bs, hs, col0 : col0 + cols]
+            dk_j = numpy.zeros(k_j.shape, compute)
+            dv_j = numpy.zeros(k_j.shape, compute)
             # Query blocks outside the band (causal: before key col0's diagonal) are skipped.
             for m_block in query_tiles(p, slab, col0, cols, block_m):
                 row0 = m_block * block_m
                 rows = min(block_m, sq - row0)
-                q_i, do_i = q[bs, row0 : row0 + rows, hs], dout[bs, row0 : row0 + rows, hs]
-                s_ij = numpy.einsum("bqhd,bkhd->bhqk", q_i * scale_log2, k_j)  # Q_i prescaled, as in the forward
-                s_ij, derivative = reference.modify_scores(s_ij, p, numpy.float64, row0, col0, bs, hs, reference.LOG2E)
+                q_i, do_i = qh[bs, hs, row0 : row0 + rows], doh[bs, hs, row0 : row0 + rows]
+                s_ij = (q_i * scale_log2) @ k_j.swapaxes(-1, -2)  # Q_i prescaled, as in the forward
+                s_ij, derivative = reference.modify_scores(s_ij, p, compute, row0, col0, bs, hs, reference.LOG2E)
                 if p.local and reference.band_cuts(p, row0, rows, col0, cols):
                     s_ij[..., reference.tile_hidden(p, row0, rows, col0, cols)] = -numpy.inf
-                p_ij = numpy.exp2(s_ij - lse_log2[bs, hs, row0 : row0 + rows])
-                dp_ij = numpy.einsum("bqhd,bkhd->bhqk", do_i, v_j)
+                s_ij -= lse_log2[bs, hs, row0 : row0 + rows]
+                p_ij = numpy.exp2(s_ij, out=s_ij)
+                dp_ij = do_i @ v_j.swapaxes(-1, -2)
                 d_i = d[bs, hs, row0 : row0 + rows]
                 if p.dropout:
                     keep = _tile_keep(p, dropout_batch_start, bs, hs, row0, rows, col0, cols)
                     ds_ij = p_ij * numpy.where(keep, dp_ij - d_i, -d_i)
                     p_ij = p_ij * keep
                 else:
-                    ds_ij = p_ij * (dp_ij - d_i)
-                dv_j += numpy.einsum("bhqk,bqhd->bkhd", p_ij, do_i)
+                    dp_ij -= d_i
+                    ds_ij = numpy.multiply(p_ij, dp_ij, out=dp_ij)
+                dv_j += p_ij.swapaxes(-1, -2) @ do_i
                 if derivative is not None:
                     ds_ij *= derivative
-                dk_j += numpy.einsum("bhqk,bqhd->bkhd", ds_ij, q_i)
-                dq[bs, row0 : row0 + rows, hs] += p.scale * rescale * numpy.einsum("bhqk,bkhd->bqhd", ds_ij, k_j)
-            dk[bs, col0 : col0 + cols, hs] = p.scale * rescale * dk_j
-            dv[bs, col0 : col0 + cols, hs] = rescale * dv_j
+                dk_j += ds_ij.swapaxes(-1, -2) @ q_i
+                dq[bs, hs, row0 : row0 + rows] += grad_scale * (ds_ij @ k_j)
+            dk[bs, hs, col0 : col0 + cols] = grad_scale * dk_j
+            dv[bs, hs, col0 : col0 + cols] = rescale * dv_j
+    dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
     return dq, reference.sum_groups(dk, p.kv_group), reference.sum_groups(dv, p.kv_group)

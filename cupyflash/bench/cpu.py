@@ -1,0 +1,103 @@
+"""The CPU fallback beside plain NumPy attention, on a machine without a GPU or with one:
+
+    python -m cupyflash bench --cpu [--seqlen 2048 --heads 8 --head-dim 64 --dtype float32]
+
+For causal and not: cupyflash.attention's CPU fallback (cpu/fallback.py; what a call on NumPy arrays
+runs where there is no GPU, and here whether or not there is one) and
+the attention a NumPy user writes, scores with `@` (BLAS), a softmax, `@` again, timed in the same
+process (median of --repeat calls), with each one's peak memory (tracemalloc: the arrays NumPy
+allocates) and max error against the float64 reference. The plain version holds every score; the
+fallback a tile of them. Its forward + backward is timed too (plain attention has no backward)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+import tracemalloc
+
+import numpy
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m cupyflash bench --cpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    ap.add_argument("--repeat", type=int, default=5, help="timed calls of each (median reported)")
+    return ap.parse_args(argv)
+
+
+def plain_attention(q, k, v, causal: bool):
+    """Attention as written with NumPy: (batch, seq, heads, head_dim) in and out, every score held."""
+    scores = (q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)) * q.dtype.type(q.shape[-1] ** -0.5)
+    if causal:
+        scores[..., numpy.triu(numpy.ones(scores.shape[-2:], bool), scores.shape[-1] - scores.shape[-2] + 1)] = -numpy.inf
+    scores = numpy.exp(scores - scores.max(axis=-1, keepdims=True))
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return (scores @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+
+def _measure(fn, repeat: int) -> tuple:
+    """(median seconds, peak bytes allocated during one call, the call's result)."""
+    result = fn()
+    tracemalloc.start()
+    result = fn()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(numpy.median(times)), peak, result
+
+
+def _fallback(direction: str, given: dict, causal: bool):
+    """A call's checks, then the CPU fallback, as `cupyflash.attention` (or its backward) runs them
+    without a GPU."""
+    from cupyflash.api import common
+    from cupyflash.cpu import fallback
+    from cupyflash.problem import Options
+
+    arrays, origins = common.ingest(given)
+    p = common.checked_problem(direction, arrays, origins, Options(causal=causal, return_lse=True))
+    run = fallback.forward if direction == "forward" else fallback.backward
+    return run(*arrays.values(), p)
+
+
+def main(argv=None) -> int:
+    from cupyflash import reference
+
+    args = parse_args(argv)
+    dtype = numpy.dtype(args.dtype)
+    rng = numpy.random.default_rng(0)
+    shape = (args.batch, args.seqlen, args.heads, args.head_dim)
+    q, k, v, dout = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
+    print(f"# CPU: batch {args.batch}, seqlen {args.seqlen}, heads {args.heads}, head_dim {args.head_dim}, "
+          f"{args.dtype}; median of {args.repeat} calls; peak: NumPy's allocations during one call")
+    print(f"{'causal':6} {'method':34} {'time ms':>9} {'x plain':>8} {'peak MB':>8} {'max |error|':>12}")
+    for causal in (False, True):
+        exact = reference.attention(q, k, v, causal=causal)
+        plain = _measure(lambda: plain_attention(q, k, v, causal), args.repeat)
+        rows = {
+            "numpy @ + softmax (plain)": plain,
+            "cupyflash fallback": _measure(lambda: _fallback("forward", {"q": q, "k": k, "v": v}, causal),
+                                           args.repeat),
+        }
+        for name, (seconds, peak, out) in rows.items():
+            out = out[0] if isinstance(out, tuple) else out
+            error = float(numpy.abs(out - exact).max())
+            print(f"{causal!s:6} {name:34} {seconds * 1e3:9.1f} {seconds / plain[0]:8.2f} {peak / 2**20:8.1f} "
+                  f"{error:12.2e}")
+
+        def forward_backward():
+            out, lse = _fallback("forward", {"q": q, "k": k, "v": v}, causal)
+            return _fallback("backward", dict(zip(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse))),
+                             causal)
+
+        seconds, peak, _ = _measure(forward_backward, args.repeat)
+        print(f"{causal!s:6} {'cupyflash fallback fwd + bwd':34} {seconds * 1e3:9.1f} {seconds / plain[0]:8.2f} "
+              f"{peak / 2**20:8.1f} {'':>12}")
+    return 0
