@@ -34,6 +34,7 @@ def tiled_attention(
     block_m, block_n = _tiles(p, block_m or tile.block_m, block_n or tile.block_n)
     sq, sk = p.seqlen_q, p.seqlen_k
     qh, kh, vh = _heads_major(q, k, v)
+    del q, k, v  # (the fallback's memory: one copy of the inputs at a time)
     out = numpy.empty((p.batch, sq, p.heads, p.head_dim), compute)
     lse = numpy.empty((p.batch, p.heads, sq), compute)
     scale_log2 = compute(p.scale * reference.LOG2E)  # scores in log2 units, so the kernel needs only exp2
@@ -200,6 +201,7 @@ def tiled_attention_backward(
     scale_log2 = compute(p.scale * reference.LOG2E)
     grad_scale = compute(p.scale) * rescale
     qh, kh, vh, doh = _heads_major(q, k, v, dout)
+    del q, k, v, dout
     dq = numpy.zeros(qh.shape, compute)
     dk = numpy.zeros(kh.shape, compute)
     dv = numpy.zeros(vh.shape, compute)
