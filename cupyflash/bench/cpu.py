@@ -2,12 +2,12 @@
 
     python -m cupyflash bench --cpu [--seqlen 2048 --heads 8 --head-dim 64 --dtype float32]
 
-For causal and not: cupyflash.attention's CPU fallback (cpu/fallback.py; what a call on NumPy arrays
-runs where there is no GPU, and here whether or not there is one) and
-the attention a NumPy user writes, scores with `@` (BLAS), a softmax, `@` again, timed in the same
-process (median of --repeat calls), with each one's peak memory (tracemalloc: the arrays NumPy
-allocates) and max error against the float64 reference. The plain version holds every score; the
-fallback a tile of them. Its forward + backward is timed too (plain attention has no backward)."""
+For causal and not: cupyflash.attention's CPU fallback (cpu/fallback.py: what a call on NumPy
+arrays runs where there is no GPU, and here whether or not there is one) and the attention a NumPy
+user writes (scores with `@`, which is BLAS, a softmax, `@` again), timed in the same process
+(median of --repeat calls), with each one's peak memory (tracemalloc: the arrays NumPy allocates)
+and max error against the float64 reference. The plain version holds every score; the fallback a
+tile of them. The fallback's forward + backward is timed too (plain attention has no backward)."""
 
 from __future__ import annotations
 
