@@ -68,8 +68,14 @@ def test_each_family_builds_what_it_can():
     assert isinstance(catalog.forward_kernel("sm90-ws", "bfloat16", 128), WgmmaFwdWsKernel)
     assert catalog.forward_kernel("sm90-tma", "float16", 64, Variant(local=True)).tma
     assert isinstance(catalog.dkdv_kernel("sm90-ws", "bfloat16", 100, Variant(True, True)), WgmmaBwdDkdvKernel)
+    assert catalog.forward_kernel("sm80", "float32", 128, Variant(), "medium").element_type == "cupyflash::Tf32<1>"
+    with pytest.raises(Unavailable, match="up to 128"):
+        catalog.forward_kernel("sm80", "float32", 160, Variant(), "high")
+    with pytest.raises(ValueError, match="goes with float32 and only with it"):
+        TcFwdKernel("float16", 64, False, precision="high")
     for family, dtype_name, d, v, why in [
-        ("sm80", "float32", 64, Variant(), "float16 or bfloat16"),
+        ("sm80", "float64", 64, Variant(), "float16 or bfloat16"),
+        ("sm80", "float32", 64, Variant(), "precision 'highest' computes on CUDA cores"),
         ("sm90", "bfloat16", 160, Variant(), "head dims"),
         ("sm90-tma", "bfloat16", 64, Variant(True, score_mod=True), "softcap"),
         ("sm90-ws", "bfloat16", 64, Variant(varlen=True), "variable lengths"),

@@ -253,6 +253,46 @@ def test_the_policy_reads_the_environment_once_and_overrides_nest():
     assert current() is before
 
 
+def test_float32_precision_is_set_for_the_process_or_a_block_and_checked():
+    q = numpy.zeros((1, 300, 2, 40), numpy.float32)
+
+    def forward_line():  # the forward's family and kernel
+        text = str(cupyflash.explain(q, q, q, compute_capability=80))
+        return text[text.index("forward:"):text.index("tile (")]
+
+    assert cupyflash.get_float32_precision() == "high" and "Tf32<3>" in forward_line()
+    with cupyflash.float32_precision("medium"):
+        assert cupyflash.get_float32_precision() == "medium" and "Tf32<1>" in forward_line()
+        with cupyflash.float32_precision("highest"):
+            assert forward_line().startswith("forward: scalar")
+            assert "float32 at precision 'highest' computes on CUDA cores" in str(
+                cupyflash.explain(q, q, q, compute_capability=80))
+        assert cupyflash.get_float32_precision() == "medium"
+    assert cupyflash.get_float32_precision() == "high"
+    try:
+        cupyflash.set_float32_precision("highest")
+        assert cupyflash.get_float32_precision() == "highest" and forward_line().startswith("forward: scalar")
+        with cupyflash.float32_precision("high"):  # a block keeps its own
+            assert "Tf32<3>" in forward_line()
+    finally:
+        cupyflash.set_float32_precision("high")
+    for bad in ("tf32", "HIGH", None, 3):
+        with pytest.raises(ValueError, match="precision must be one of 'highest', 'high', 'medium'"):
+            cupyflash.set_float32_precision(bad)
+        with pytest.raises(ValueError, match="precision must be one of"):
+            cupyflash.float32_precision(bad).__enter__()
+    assert cupyflash.get_float32_precision() == "high"
+    assert Policy.from_environment({"CUPYFLASH_FLOAT32_PRECISION": "medium"}).float32_precision == "medium"
+    with pytest.raises(ValueError, match="CUPYFLASH_FLOAT32_PRECISION must be one of"):
+        Policy.from_environment({"CUPYFLASH_FLOAT32_PRECISION": "fast"})
+    # 16-bit and float64 problems take the same kernels at every precision
+    for dtype in ("bfloat16", "float64"):
+        x = q.astype(numpy_dtype(dtype))
+        with cupyflash.float32_precision("medium"):
+            medium = str(cupyflash.explain(x, x, x, compute_capability=80))
+        assert medium == str(cupyflash.explain(x, x, x, compute_capability=80))
+
+
 def test_explain_reports_every_family():
     q = numpy.zeros((2, 1000, 4, 128), numpy_dtype("bfloat16"))
     text = str(cupyflash.explain(q, q, q, causal=True, compute_capability=90))
@@ -262,7 +302,8 @@ def test_explain_reports_every_family():
         assert text.count(f"    {family} ") == 2
     text = str(cupyflash.explain(q[..., :40].astype("float32"), q[..., :40].astype("float32"),
                                  q[..., :40].astype("float32"), deterministic=True, compute_capability=80))
-    assert "forward: scalar" in text and "take float16 or bfloat16, not float32" in text
+    assert "forward: sm80" in text and "TcFwdTraits<cupyflash::Tf32<3>, 64" in text  # 3xTF32
+    assert "take float16 or bfloat16, not float32" in text  # (the backward's families)
     assert "the deterministic kernel cupyflash::flash_bwd_dq_kernel" in text
     with pytest.raises(TypeError, match="causal must be True or False"):
         cupyflash.explain(q, q, q, causal=1, compute_capability=90)

@@ -1,6 +1,6 @@
-"""The tensor-core (mma.sync) kernels: that 16-bit attention takes them, every padded head dim
-and both tile-load paths (cp.async and element-wise) against the float64 reference, and the
-scalar 16-bit kernels kept as the baseline. The awkward grids of test_attention_gpu.py and
+"""The tensor-core (mma.sync) kernels: that 16-bit attention takes them (and float32's forward, as
+TF32 products, at each precision), every padded head dim and both tile-load paths (cp.async and
+element-wise) against the float64 reference, and the scalar 16-bit kernels kept as the baseline. The awkward grids of test_attention_gpu.py and
 test_backward_gpu.py run the tensor-core path too for float16/bfloat16. Marker `gpu`."""
 
 import dataclasses
@@ -55,8 +55,76 @@ def test_16_bit_dtypes_take_the_tensor_core_kernels(rng, launched, dtype):
         fwd = "WgmmaFwdKernel" if current().hopper_forward and sm_90 else "TcFwdKernel"
         dkdv = "WgmmaBwdDkdvKernel" if current().hopper_backward and sm_90 else "TcBwdDkdvKernel"
         assert tiled == [fwd, dkdv, dkdv, "TcBwdDqKernel"]
-    else:  # float32 / float64 stay exact: never TF32 tensor cores
+    elif dtype == "float32":  # the forward as 3xTF32 (float32 accuracy), the backward on CUDA cores
+        assert tiled == ["TcFwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
+        assert launched[0].element_type == "cupyflash::Tf32<3>"
+    else:  # float64 on CUDA cores
         assert tiled == ["FwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
+
+
+@pytest.mark.parametrize("precision,kernel", [("highest", "FwdKernel"), ("medium", "cupyflash::Tf32<1>")])
+def test_float32_precision_picks_the_forward(rng, launched, precision, kernel):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float32", 1, 70, 70, 2, 64))
+    with cupyflash.float32_precision(precision):
+        cupyflash.attention(q, k, v)
+    assert kernel in (type(launched[0]).__name__, getattr(launched[0], "element_type", None))
+
+
+@pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 111, 128])  # (tiles.TF32_MAX_HEAD_DIM)
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_forward_on_3xtf32_meets_the_float32_rule(rng, nan_outputs, causal, head_dim):
+    """Long key rows (errors add up over 3000 keys) and awkward lengths, against float64 under the
+    rule float32 arithmetic is held to; scores spread wide (scale 1/8, inputs of norm ~ sqrt(d))."""
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float32", 2, 257, 3001, 3, head_dim))
+    out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True, scale=1.0 / 8)
+    assert_matches_reference(q, k, v, out, lse, "float32", causal, scale=1.0 / 8)
+
+
+def _tf32(x):
+    """float32 values rounded to TF32 (10 mantissa bits), to nearest, ties away (cvt.rna.tf32)."""
+    bits = numpy.ascontiguousarray(x, numpy.float32).view(numpy.uint32)
+    return ((bits + numpy.uint32(0x1000)) & numpy.uint32(0xFFFFE000)).view(numpy.float32)
+
+
+def _attention_on_one_tf32_product(q, k, v, causal, scale):
+    """The baseline of precision "medium": the same attention in float32 with every product's
+    operands rounded to TF32 (Q, K; P, V), as one TF32 tensor-core product takes them."""
+    s = numpy.einsum("bqhd,bkhd->bhqk", _tf32(q), _tf32(k), dtype=numpy.float32) * numpy.float32(scale)
+    if causal:  # bottom-right aligned; here every query sees a key
+        seqlen_q, seqlen_k = s.shape[-2:]
+        s[..., numpy.arange(seqlen_k) > numpy.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q] = -numpy.inf
+    m = s.max(axis=-1, keepdims=True)
+    p = numpy.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    out = numpy.einsum("bhqk,bkhd->bqhd", _tf32(p), _tf32(v), dtype=numpy.float32) / l.transpose(0, 2, 1, 3)
+    return out.astype(numpy.float64), (m + numpy.log(l))[..., 0].astype(numpy.float64)
+
+
+@pytest.mark.parametrize("head_dim", [1, 40, 64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_forward_on_one_tf32_product_meets_the_tf32_rule(rng, nan_outputs, causal, head_dim):
+    """Precision "medium": within 2x the error of the same attention on TF32 operands."""
+    import cupy
+
+    from cupyflash import reference
+
+    q, k, v = random_qkv(rng, "float32", 2, 257, 1501, 3, head_dim)
+    with cupyflash.float32_precision("medium"):
+        out, lse = cupyflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal, return_lse=True,
+                                       scale=1.0 / 8)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, scale=1.0 / 8, return_lse=True)
+    base, base_lse = _attention_on_one_tf32_product(q, k, v, causal, 1.0 / 8)
+    magnitude = reference.output_term_magnitude(q, k, v, causal=causal, scale=1.0 / 8)
+    err = float(numpy.abs(cupy.asnumpy(out) - ref).max())
+    bound = reference.error_bound(ref, base, "float32", magnitude=magnitude)
+    assert err <= bound, f"out: max |error| {err:.3e} > bound {bound:.3e}"
+    lse_err = float(numpy.abs(cupy.asnumpy(lse) - ref_lse).max())
+    lse_bound = reference.error_bound(ref_lse, base_lse, "float32")
+    assert lse_err <= lse_bound, f"lse: max |error| {lse_err:.3e} > bound {lse_bound:.3e}"
 
 
 def _forward_backward(q, k, v, dout, causal, deterministic, families):

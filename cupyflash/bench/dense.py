@@ -14,11 +14,13 @@ causal and not. For each problem, on the same inputs (random normal, never zeros
   2. timing: CUDA events around batches of back-to-back calls after warm-up (GPU time per call,
      with Python's launch overhead hidden behind the GPU work, as in a training loop), the median
      of many batches, for
-     cupyflash (the public attention / attention_backward on CuPy arrays), PyTorch SDPA's flash
-     (FlashAttention-2), cuDNN and mem-efficient backends (and math for float32 and float64: flash and
-     cuDNN take only 16-bit inputs), FlexAttention (with --flex; compiled
-     once per shape), and standard CuPy attention (its backward time is forward+backward minus
-     forward; skipped where its seqlen x seqlen matrices do not fit in free memory).
+     cupyflash (the public attention / attention_backward on CuPy arrays; for float32 also at
+     precisions "highest" and "medium" beside the default "high", each checked as in 1. with its
+     errors in the CSV's check column, "medium" not held to the float32 rule), PyTorch SDPA's
+     flash (FlashAttention-2), cuDNN and mem-efficient backends (and math for float32 and float64:
+     flash and cuDNN take only 16-bit inputs), FlexAttention (with --flex; compiled once per
+     shape), and standard CuPy attention (its backward time is forward+backward minus forward;
+     skipped where its seqlen x seqlen matrices do not fit in free memory).
 FLOPs: forward 4·b·h·s_q·s_k·d, halved for causal; backward 2.5x forward. A peer that is not
 installed or not supported here is named as skipped; any other exception stops the run.
 Writes <device>-<date>-bench.csv and .png under --out and prints the table last.
@@ -234,6 +236,22 @@ def main(argv=None) -> int:
                 common.median_ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=pr.causal), args.max_seconds),
             )
         }
+        checks = {"cupyflash": ("PASS " if ok else "FAIL ") + message}
+        if pr.dtype == "float32":  # float32's other precisions (cupyflash.set_float32_precision)
+            for precision in ("highest", "medium"):
+                with cupyflash.float32_precision(precision):
+                    out_p, lse_p = cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True)
+                    grads_p = cupyflash.attention_backward(dout, q, k, v, out_p, lse_p, causal=pr.causal)
+                    ok_p, message_p = check(pr, q, k, v, dout, out_p, grads_p, peers)
+                    if precision == "highest" and not ok_p:  # "medium" is not held to float32's rule
+                        failures.append(f"{pr} at {precision}: {message_p}")
+                    checks[f"cupyflash-{precision}"] = ("PASS " if ok_p else "over ") + message_p
+                    del out_p, lse_p, grads_p
+                    timings[f"cupyflash-{precision}"] = (
+                        common.median_ms(lambda: cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True),
+                                         args.max_seconds),
+                        common.median_ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse,
+                                                                              causal=pr.causal), args.max_seconds))
         if peers.torch is not None:
             for backend in [*TORCH_BACKENDS, *(WIDE_BACKENDS if pr.dtype in ("float32", "float64") else ())]:
                 timings[f"torch-{backend}"] = time_torch_sdpa(peers, backend, pr, q, k, v, dout, args.max_seconds)
@@ -248,7 +266,7 @@ def main(argv=None) -> int:
                     "batch": pr.batch, "seqlen": pr.seqlen, "causal": pr.causal, "direction": direction,
                     "method": method, "median_ms": f"{ms:.4f}" if ms else "",
                     "tflops": f"{pr.flops(direction) / ms / 1e9:.1f}" if ms else "",
-                    "note": "" if ms else t, "check": ("PASS " if ok else "FAIL ") + message if method == "cupyflash" else "",
+                    "note": "" if ms else t, "check": checks.get(method, ""),
                 })
         del q, k, v, dout, out, lse, grads
         cupy.get_default_memory_pool().free_all_blocks()

@@ -1,11 +1,11 @@
 """The instantiation list, and which instantiation of each kernel family serves a problem.
 
 A family is a set of kernels built the same way: "scalar" (CUDA cores, every dtype), "sm80"
-(mma.sync, 16-bit, sm_80 and newer), "sm90" (wgmma, 16-bit, sm_90a; one block per tile with
-cp.async copies), "sm90-tma" (its TMA builds) and "sm90-ws" (the warp-specialised, persistent
-TMA kernels). Which family a call takes is the planner's decision (cupyflash/dispatch/plan.py);
-this module only says which instantiation serves a problem in a family, or that the family has
-none for it (`Unavailable`, with the reason).
+(mma.sync, sm_80 and newer: 16-bit, and float32's forward as TF32 products), "sm90" (wgmma,
+16-bit, sm_90a; one block per tile with cp.async copies), "sm90-tma" (its TMA builds) and
+"sm90-ws" (the warp-specialised, persistent TMA kernels). Which family a call takes is the
+planner's decision (cupyflash/dispatch/plan.py); this module only says which instantiation serves
+a problem in a family, or that the family has none for it (`Unavailable`, with the reason).
 """
 
 from __future__ import annotations
@@ -68,13 +68,21 @@ def _sm90_head_dim(dtype_name: str, head_dim: int, family: str) -> int:
 
 
 @functools.cache  # on every call's planning path: one object per instantiation, its properties cached
-def forward_kernel(family: str, dtype_name: str, head_dim: int, variant: Variant = Variant()):
-    """The forward instantiation of `family` for a problem; Unavailable if the family has none."""
+def forward_kernel(family: str, dtype_name: str, head_dim: int, variant: Variant = Variant(),
+                   precision: str = "highest"):
+    """The forward instantiation of `family` for a problem; Unavailable if the family has none.
+    precision: float32's (tiles.FLOAT32_PRECISIONS); "highest" keeps float32 on CUDA cores."""
     v = variant.built()
     d = tiles.padded_head_dim(head_dim)
     fields = dict(block_sparse=v.block_sparse, score_mod=v.score_mod, varlen=v.varlen)
     if family == "scalar":
         return FwdKernel(dtype_name, d, v.local, **fields)
+    if family == "sm80" and dtype_name in tiles.TF32_FORWARD_DTYPES:
+        if precision not in tiles.TF32_PASSES:
+            raise Unavailable(f"float32 at precision {precision!r} computes on CUDA cores")
+        if d > tiles.TF32_MAX_HEAD_DIM:
+            raise Unavailable(f"TF32 builds at head dims up to {tiles.TF32_MAX_HEAD_DIM} only, not {d}")
+        return TcFwdKernel(dtype_name, d, v.local, precision=precision, **fields)
     if dtype_name not in tiles.TENSOR_CORE_DTYPES:
         raise Unavailable(f"the tensor-core kernels take float16 or bfloat16, not {dtype_name}")
     if family == "sm80":
@@ -169,6 +177,8 @@ def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
                     kernels.append(make(family, dtype_name, head_dim, v))
                 except Unavailable:
                     pass
+        if dtype_name in tiles.TF32_FORWARD_DTYPES and tiles.padded_head_dim(head_dim) <= tiles.TF32_MAX_HEAD_DIM:
+            kernels += [forward_kernel("sm80", dtype_name, head_dim, v, precision) for precision in tiles.TF32_PASSES]
         if dtype_name in tiles.TENSOR_CORE_DTYPES:
             kernels.append(dkdv_kernel("sm80", dtype_name, head_dim, v, large_smem=True))
         kernels.append(dq_kernel(dtype_name in tiles.TENSOR_CORE_DTYPES, dtype_name, head_dim, v))
@@ -189,6 +199,8 @@ def _attention_kernels() -> list:
             for v in _variants():
                 kernels += [forward_kernel("scalar", dtype_name, d, v), dkdv_kernel("scalar", dtype_name, d, v),
                             dq_kernel(False, dtype_name, d, v)]
+                if dtype_name in tiles.TF32_FORWARD_DTYPES and d <= tiles.TF32_MAX_HEAD_DIM:
+                    kernels += [forward_kernel("sm80", dtype_name, d, v, precision) for precision in tiles.TF32_PASSES]
                 if not tensor_cores:
                     continue
                 kernels += [forward_kernel("sm80", dtype_name, d, v), dq_kernel(True, dtype_name, d, v)]

@@ -46,10 +46,15 @@ class TiledKernel:
     def num_threads(self) -> int:
         return 32 * self.tile.num_warps
 
+    @property
+    def element_type(self) -> str:
+        """The traits' element type: the C++ type of dtype_name (TcFwdKernel's float32: a Tf32 tag)."""
+        return ELEMENT_TYPES[self.dtype_name]
+
     @functools.cached_property
     def traits(self) -> str:
         tile_args = ", ".join(str(x) for x in dataclasses.astuple(self.tile))
-        return f"cupyflash::{self.traits_name}<{ELEMENT_TYPES[self.dtype_name]}, {self.head_dim}, {tile_args}>"
+        return f"cupyflash::{self.traits_name}<{self.element_type}, {self.head_dim}, {tile_args}>"
 
     @functools.cached_property
     def name_expression(self) -> str:

@@ -1,5 +1,6 @@
-"""Kernel descriptors of the tensor-core kernels (float16 / bfloat16): the mma.sync kernels of
-kernels/sm80/ (sm_80 and newer) and the Hopper kernels of kernels/sm90/ (wgmma, TMA; sm_90a)."""
+"""Kernel descriptors of the tensor-core kernels (float16 / bfloat16, and float32's TF32 forward):
+the mma.sync kernels of kernels/sm80/ (sm_80 and newer) and the Hopper kernels of kernels/sm90/
+(wgmma, TMA; sm_90a)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import math
 from cupyflash.catalog import tiles
 from cupyflash.catalog.specs import TiledKernel, smem_check
 
-_TC_PAD = 8  # elements of padding per shared-memory row (TcTileLayout::kPad)
-
-
-def _tc_tile_bytes(rows: int, columns: int) -> int:
-    return rows * (columns + _TC_PAD) * 2
+def _tc_tile_bytes(rows: int, columns: int, itemsize: int = 2) -> int:
+    """A [rows][columns] tile's bytes, its rows padded by 16 bytes (TcTileLayout::kPad)."""
+    return rows * (columns + 16 // itemsize) * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,22 +33,36 @@ class TcKernel(TiledKernel):
 
 @dataclasses.dataclass(frozen=True)
 class TcFwdKernel(TcKernel):
-    """kernels/sm80/fwd.cu's flash_fwd_sm80_kernel: one block per query block."""
+    """kernels/sm80/fwd.cu's flash_fwd_sm80_kernel: one block per query block. precision: float32's
+    ("high": 3xTF32, "medium": one TF32 product; tiles.FLOAT32_PRECISIONS), None for 16-bit."""
+
+    precision: str | None = None
 
     source_file = "sm80/fwd.cu"
     kernel_name = "flash_fwd_sm80_kernel"
     traits_name = "TcFwdTraits"
 
+    def __post_init__(self):
+        if (self.dtype_name in tiles.TF32_FORWARD_DTYPES) != (self.precision in tiles.TF32_PASSES):
+            raise ValueError(f"a TF32 precision ({tuple(tiles.TF32_PASSES)}) goes with float32 and only with it, "
+                             f"not {self.precision!r} with {self.dtype_name}")
+
+    @property
+    def element_type(self) -> str:
+        if self.precision is None:
+            return super().element_type
+        return f"cupyflash::Tf32<{tiles.TF32_PASSES[self.precision]}>"
+
     @functools.cached_property
     def tile(self) -> tiles.TcTileShape:
-        return self.tile_override or tiles.tc_fwd_tile_shape(self.head_dim, self.block_sparse, self.local,
-                                                             self.score_mod, self.varlen)
+        table = tiles.tf32_fwd_tile_shape if self.precision else tiles.tc_fwd_tile_shape
+        return self.tile_override or table(self.head_dim, self.block_sparse, self.local, self.score_mod, self.varlen)
 
     @functools.cached_property
     def smem_bytes(self) -> int:
         # Mirrors TcFwdTraits::kSmemBytes: Q_i, K_j, V_j.
         t = self.tile
-        return _tc_tile_bytes(t.block_m + 2 * t.block_n, self.head_dim)
+        return _tc_tile_bytes(t.block_m + 2 * t.block_n, self.head_dim, 4 if self.precision else 2)
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)

@@ -24,8 +24,19 @@ ELEMENT_TYPES = {
     "float64": "double",
 }
 DTYPE_NAMES = tuple(ELEMENT_TYPES)
-# float16 / bfloat16 run on tensor cores (sm80/, sm90/); float32 and float64 on the scalar kernels.
+# float16 / bfloat16 run on tensor cores (sm80/, sm90/); float32 and float64 on the scalar kernels,
+# and float32's forward also on sm80/'s mma.sync kernel as TF32 products (TF32_FORWARD_DTYPES) at
+# head dims up to TF32_MAX_HEAD_DIM: above it, O's registers leave none for the key tile's own P V
+# accumulator (which float32 accuracy needs: sm80/gemm.cuh), and 12 of the 28 builds spill.
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
+TF32_FORWARD_DTYPES = ("float32",)
+TF32_MAX_HEAD_DIM = 128
+
+# float32's precisions, PyTorch's words (torch.set_float32_matmul_precision): "highest" computes on
+# CUDA cores, "high" splits each operand into two TF32 numbers and takes three TF32 products
+# ("3xTF32", float32 accuracy), "medium" one TF32 product. The kernels' Tf32<passes> element tags.
+FLOAT32_PRECISIONS = ("highest", "high", "medium")
+TF32_PASSES = {"high": 3, "medium": 1}
 
 # Opt-in shared memory per block: an A100's (sm_80, the smallest of the tensor-core GPUs the tables
 # are sized for) and an H100's (sm_90). The dK/dV table has larger tiles for the latter.
@@ -202,6 +213,13 @@ def tc_fwd_tile_shape(padded: int, block_sparse: bool = False, local: bool = Fal
     if (block_sparse and local) or score_mod:
         return TcTileShape(128, 32, num_warps=8, min_blocks_per_sm=1)
     return TcTileShape(128, 64, num_warps=8, min_blocks_per_sm=1)
+
+
+def tf32_fwd_tile_shape(padded: int, block_sparse: bool = False, local: bool = False, score_mod: bool = False,
+                        varlen: bool = False) -> TcTileShape:
+    """The float32 (TF32) forward's tile: 16 query rows a warp, as the split operands take twice
+    the 16-bit kernels' registers, and float32 tiles twice their shared memory."""
+    return TcTileShape(64, 32 if varlen else 64, num_warps=4, min_blocks_per_sm=1)
 
 
 def tc_dkdv_tile_shape(padded: int, large_smem: bool = False, block_sparse: bool = False, score_mod: bool = False,

@@ -176,8 +176,8 @@ def decide_forward(p: AttentionProblem, device: devices.DeviceInfo, policy: poli
         names = ("q", "k", "v", "o") if family == "sm90-ws" else ("k", "v")
         return _unmappable(lay, names, {"q": q_dims, "o": q_dims, "k": kv_dims, "v": kv_dims})
 
-    kernels, choices = _choose(p, device, policy, lambda family: forward_kernel(family, p.dtype_name, p.head_dim,
-                                                                                _variant(p)), verdict)
+    kernels, choices = _choose(p, device, policy, lambda family: forward_kernel(
+        family, p.dtype_name, p.head_dim, _variant(p), policy.float32_precision), verdict)
     return Decision("forward", tuple(kernels), choices)
 
 

@@ -6,6 +6,8 @@ code inside a `with` block (this thread and the tasks it starts), which the test
 use to run one kernel family or another. What each number rests on: docs/performance.md.
 
 Environment switches (read once, at the first call):
+    CUPYFLASH_FLOAT32_PRECISION=highest|high|medium
+                                  float32's precision (default "high"; `set_float32_precision`)
     CUPYFLASH_HOPPER_FORWARD=0    no Hopper (wgmma) forward: the mma.sync kernels, as on other GPUs
     CUPYFLASH_HOPPER_BACKWARD=0   no Hopper dK/dV kernel
     CUPYFLASH_HOPPER_TMA=0        no TMA builds (forward and backward): their cp.async twins
@@ -25,9 +27,21 @@ import functools
 import math
 import os
 
+from cupyflash.catalog import tiles
+
+
+def check_float32_precision(precision, name: str = "precision") -> str:
+    if not isinstance(precision, str) or precision not in tiles.FLOAT32_PRECISIONS:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, tiles.FLOAT32_PRECISIONS))}, not {precision!r}")
+    return precision
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
+    # --- float32's precision (tiles.FLOAT32_PRECISIONS): "high", 3xTF32 on the tensor cores, is
+    # within float32's error (docs/performance.md) and the default.
+    float32_precision: str = "high"
+
     # --- switches (environment)
     hopper_forward: bool = True
     hopper_backward: bool = True
@@ -77,6 +91,8 @@ class Policy:
     def from_environment(cls, environ=None) -> Policy:
         env = os.environ if environ is None else environ
         return cls(
+            float32_precision=check_float32_precision(env.get("CUPYFLASH_FLOAT32_PRECISION", "high"),
+                                                      "CUPYFLASH_FLOAT32_PRECISION"),
             hopper_forward=env.get("CUPYFLASH_HOPPER_FORWARD", "1") != "0",
             hopper_backward=env.get("CUPYFLASH_HOPPER_BACKWARD", "1") != "0",
             tma=env.get("CUPYFLASH_HOPPER_TMA", "1") != "0",
@@ -114,6 +130,13 @@ def current() -> Policy:
     if not _FROM_ENVIRONMENT:
         _FROM_ENVIRONMENT.append(Policy.from_environment())
     return _FROM_ENVIRONMENT[0]
+
+
+def set_process_policy(**changes) -> None:
+    """Replaces fields of the process's policy (an override in force keeps its own)."""
+    if not _FROM_ENVIRONMENT:
+        _FROM_ENVIRONMENT.append(Policy.from_environment())
+    _FROM_ENVIRONMENT[0] = dataclasses.replace(_FROM_ENVIRONMENT[0], **changes)
 
 
 @contextlib.contextmanager

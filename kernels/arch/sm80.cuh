@@ -54,6 +54,11 @@ __device__ __forceinline__ void store_shared_4(unsigned dst, unsigned x) {
 __device__ __forceinline__ void store_shared_8(unsigned dst, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dst), "f"(x), "f"(y) : "memory");
 }
+__device__ __forceinline__ unsigned load_shared_4(unsigned src) {
+    unsigned x;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x) : "r"(src) : "memory");
+    return x;
+}
 __device__ __forceinline__ uint4 load_shared_16(unsigned src) {
     uint4 v;
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src)
@@ -116,6 +121,43 @@ template <> struct Mma<BFloat16> {
     // bfloat16 is the top half of a float32: widening is exact.
     static __device__ __forceinline__ float2 unpack(unsigned r) {
         return make_float2(__uint_as_float(r << 16), __uint_as_float(r & 0xffff0000u));
+    }
+};
+
+// float32 products on the tensor cores (the Tf32 element tags, common/numeric.cuh). Each operand x
+// is split into a TF32 part hi = rna(x) and the TF32 rounding of its remainder lo = rna(x - hi).
+// kPasses 3 ("3xTF32", float32 accuracy) forms a·b as hi·hi + hi·lo + lo·hi (lo·lo, about 2^-22 of
+// the product, is left out); kPasses 1 as hi·hi alone (TF32's 2^-11 relative rounding). Each
+// product is an mma.sync.m16n8k8 accumulating in float32. Fragment layouts (PTX ISA, "Matrix
+// fragments for mma.m16n8k8" .tf32):
+//   A (16 x 8), 4 x .b32: a[0]: row g, col t; a[1]: row g+8, col t; a[2]: row g, col t+4; a[3]: row g+8, col t+4
+//   B (8 x 8, "col"), 2 x .b32: b[0]: row t, column g; b[1]: row t+4, column g
+//   C (16 x 8, float32): as m16n8k16's
+// An ldmatrix.x4 of float32 rows read as b16 pairs gives lane (g, t) the float (row g, col t) of
+// each 8 x 4 block: the A and B fragments above, at the 16-bit kernels' lane addresses.
+template <int kPasses> struct Mma<Tf32<kPasses>> {
+    static_assert(kPasses == 1 || kPasses == 3, "TF32 products take one pass or three");
+    static __device__ __forceinline__ void split(unsigned x, unsigned& hi, unsigned& lo) {
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(__uint_as_float(x)));
+        if constexpr (kPasses == 3)
+            asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(__uint_as_float(x) - __uint_as_float(hi)));
+        else
+            lo = 0;
+    }
+    static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // c += a·b from split operands, the small products first.
+    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a_hi)[4], const unsigned (&a_lo)[4],
+                                               const unsigned (&b_hi)[2], const unsigned (&b_lo)[2]) {
+        if constexpr (kPasses == 3) {
+            mma(c, a_lo, b_hi[0], b_hi[1]);
+            mma(c, a_hi, b_lo[0], b_lo[1]);
+        }
+        mma(c, a_hi, b_hi[0], b_hi[1]);
     }
 };
 

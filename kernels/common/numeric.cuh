@@ -50,6 +50,11 @@ template <> struct NumericTraits<float> {
     static __device__ __forceinline__ float from_accum(float x) { return x; }
 };
 
+// float32 elements whose products run on the tensor cores as TF32 (arch/sm80.cuh's Mma<Tf32>):
+// kPasses 3 splits each operand in two ("3xTF32", float32 accuracy), 1 takes one TF32 product.
+template <int kPasses> struct Tf32 {};
+template <int kPasses> struct NumericTraits<Tf32<kPasses>> : NumericTraits<float> {};
+
 template <> struct NumericTraits<double> {
     using Storage = double;
     using Accum = double;

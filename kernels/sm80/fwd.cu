@@ -1,5 +1,5 @@
-// Attention forward on tensor cores with mma.sync (float16 / bfloat16, sm_80 and newer):
-// FlashAttention-2, Algorithm 1, with float32 accumulation. Same algorithm, arguments and results as
+// Attention forward on tensor cores with mma.sync (float16 / bfloat16, and float32 as TF32 products; sm_80
+// and newer): FlashAttention-2, Algorithm 1, with float32 accumulation. Same algorithm, arguments and results as
 // the scalar kernel (scalar/fwd.cu, the readable baseline); what changes is where the arithmetic runs:
 //   - S_ij = Q_i K_j^T and O_i += P_ij V_j are warp-level mma.sync products on ldmatrix'd fragments
 //     of padded tiles (sm80/gemm.cuh);
@@ -28,9 +28,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     using Op = typename Kt::Op;
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned tiles = Kt::tile_base(smem_address(smem));
-    const unsigned sQ = tiles + Kt::kSmemQOffset * 2;  // Q_i [kBlockM][head dim], padded rows
-    const unsigned sK = tiles + Kt::kSmemKOffset * 2;  // K_j [kBlockN][head dim]
-    const unsigned sV = tiles + Kt::kSmemVOffset * 2;  // V_j [kBlockN][head dim]
+    constexpr unsigned kSize = sizeof(Storage);
+    const unsigned sQ = tiles + Kt::kSmemQOffset * kSize;  // Q_i [kBlockM][head dim], padded rows
+    const unsigned sK = tiles + Kt::kSmemKOffset * kSize;  // K_j [kBlockN][head dim]
+    const unsigned sV = tiles + Kt::kSmemVOffset * kSize;  // V_j [kBlockN][head dim]
 
     // With causal, query blocks further down see more keys; they are started first (the grid
     // runs in blockIdx order), so the short ones fill in the tail of the launch.
@@ -96,12 +97,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         // (The products stay written out here: called through a wrapper, NVRTC scheduled 35 of
         // the 63 16-bit kernels differently.)
         zero(S);
-        gemm_abt_ss<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride, Kt::kStride>(
-            S, sQ + warp * Kt::kWarpRows * Kt::kStride * 2, sK, lane);
+        if constexpr (Kt::kTf32)
+            gemm_abt_ss_tf32<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride16, Kt::kStride16>(
+                S, sQ + Kt::row_bytes(warp * Kt::kWarpRows), sK, lane);
+        else
+            gemm_abt_ss<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride, Kt::kStride>(
+                S, sQ + warp * Kt::kWarpRows * Kt::kStride * 2, sK, lane);
         softmax_step<Kt, kIsLocal, kScoreMod, false>(S, O, m, l, params, mod, dropout, scale_log2, row0, rows_valid,
                                                      warp_row0, col0, keys_valid, f);
-        unsigned P[Kt::kMTiles][Kt::kNTiles / 2][4];
-        to_a_fragments<Op>(S, P);
+        // 16-bit: P_ij rounded to A fragments here; TF32: P_ij stays in S, split per k-step below.
+        unsigned P[Kt::kTf32 ? 1 : Kt::kMTiles][Kt::kNTiles / 2][4];
+        if constexpr (!Kt::kTf32) to_a_fragments<Op>(S, P);
 
         // V_j has landed; every warp is done reading K_j.
         tiles_landed<Kt>();
@@ -113,7 +119,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
                                              min(Kt::kBlockN, params.seqlen_k - next), params.head_dim);
         }
         cp_async_commit();
-        gemm_ab_rs<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles / 2, Kt::kStride>(O, P, sV, lane);
+        if constexpr (Kt::kTf32)
+            gemm_pv_tf32<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles, Kt::kStride>(O, S, sV, f);
+        else
+            gemm_ab_rs<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles / 2, Kt::kStride>(O, P, sV, lane);
     }
 
     epilogue_tc<Kt, kScoreMod>(params, O, m, l, q_batch, head_idx, warp_row0, f, dropout_rescale<kScoreMod, float>(params),

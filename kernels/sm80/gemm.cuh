@@ -109,4 +109,100 @@ __device__ __forceinline__ void gemm_ab_ss(float (&C)[kMTiles][kNTiles][4], unsi
     }
 }
 
+// float32 tiles on TF32 products (Op: Mma<Tf32<kPasses>>): C += A B^T, both operands [rows][k]
+// float32 in shared memory (k contiguous), as gemm_abt_ss: ldmatrix at the same lane addresses
+// (strides in b16 units, k-steps of 8 floats = 32 bytes) gives the tf32 A and B fragments; each is
+// split into hi and lo once. The tensor cores round their float32 accumulator toward zero: chained
+// over the head dim's k-steps, that bias put S's error at 2-3x float32's and lse's past float32's
+// rule (a model, d128, 4096 keys; on the H200, dV 1.65x over it through lse). So each k-step's
+// products go into a zeroed accumulator that C takes with a rounding add (the model: 0.1-0.4x of
+// float32's S error). The k-steps are then independent chains, which NVRTC, fully unrolled,
+// interleaves until 62 of the 140 builds spill: they run one at a time.
+template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStrideA16, int kStrideB16>
+__device__ __forceinline__ void gemm_abt_ss_tf32(float (&C)[kMTiles][kNTiles][4], unsigned sA, unsigned sB,
+                                                   int lane) {
+    static_assert(kNTiles % 2 == 0, "B is read 16 rows (two n8 tiles) per ldmatrix.x4");
+    const unsigned a0 = sA + ((lane % 16) * kStrideA16 + (lane / 16) * 8) * 2;
+    const unsigned b0 = sB + (((lane / 16) * 8 + lane % 8) * kStrideB16 + (lane / 8) % 2 * 8) * 2;
+#pragma unroll 1
+    for (int ks = 0; ks < kKSteps; ++ks) {
+        unsigned a[kMTiles][4], b[kNTiles / 2][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], a0 + (mt * 16 * kStrideA16 + ks * 16) * 2);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) ldmatrix_x4(b[np], b0 + (np * 16 * kStrideB16 + ks * 16) * 2);
+        unsigned a_hi[kMTiles][4], a_lo[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) Op::split(a[mt][r], a_hi[mt][r], a_lo[mt][r]);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+            // ldmatrix register r of pair np: n8 tile 2np + r / 2, B register r % 2
+            unsigned b_hi[2][2], b_lo[2][2];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) Op::split(b[np][r], b_hi[r / 2][r % 2], b_lo[r / 2][r % 2]);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+                    Op::run(acc, a_hi[mt], a_lo[mt], b_hi[h], b_lo[h]);
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) C[mt][2 * np + h][r] += acc[r];
+                }
+        }
+    }
+}
+
+// float32 tiles on TF32 products (Op): O += P V with P an accumulator tile in registers (keys as its columns)
+// and V [keys][head dim] float32 rows in shared memory (row stride kStride floats). A k8 step is
+// one n8 tile of P with its keys taken in the order 0, 2, 4, 6, 1, 3, 5, 7: lane (g, t) holds keys
+// 2t and 2t + 1 of rows g and g + 8, which are then A's (g, t), (g, t + 4), (g + 8, t), (g + 8,
+// t + 4); B takes V's rows in the same order, read 4 bytes at a time (ldmatrix cannot transpose
+// 32-bit elements): lane (g, t) reads rows 2t, 2t + 1 of column g, on banks 8t + g, all distinct
+// (kStride is the padded head dim, a multiple of 16, plus 4).
+// The tensor cores add each product into their float32 accumulator rounded toward zero: over the
+// thousands of keys a row of O sums, that bias grows past float32's error (a model of it: 1.9x the
+// float32 bound at head dim 256, 3001 keys). So a key tile's P V goes into a zeroed accumulator,
+// a group of kGroup n8 column tiles at a time, and O takes it with an ordinary (rounding) add
+// (the same model: 0.06x).
+template <typename Op, int kMTiles, int kDTiles, int kNTiles, int kStride>
+__device__ __forceinline__ void gemm_pv_tf32(float (&O)[kMTiles][kDTiles][4], const float (&P)[kMTiles][kNTiles][4],
+                                               unsigned sV, const Fragment& f) {
+    constexpr int kGroup = kDTiles % 4 == 0 ? 4 : kDTiles % 2 == 0 ? 2 : 1;
+    unsigned a_hi[kNTiles][kMTiles][4], a_lo[kNTiles][kMTiles][4];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+            const float a[4] = {P[mt][nt][0], P[mt][nt][2], P[mt][nt][1], P[mt][nt][3]};
+#pragma unroll
+            for (int r = 0; r < 4; ++r) Op::split(__float_as_uint(a[r]), a_hi[nt][mt][r], a_lo[nt][mt][r]);
+        }
+    const unsigned v0 = sV + (2 * f.t * kStride + f.g) * 4;
+#pragma unroll
+    for (int dg = 0; dg < kDTiles; dg += kGroup) {
+        float acc[kMTiles][kGroup][4];
+        zero(acc);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int i = 0; i < kGroup; ++i) {
+                const unsigned row = v0 + (nt * 8 * kStride + (dg + i) * 8) * 4;
+                unsigned b_hi[2], b_lo[2];
+                Op::split(load_shared_4(row), b_hi[0], b_lo[0]);
+                Op::split(load_shared_4(row + kStride * 4), b_hi[1], b_lo[1]);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) Op::run(acc[mt][i], a_hi[nt][mt], a_lo[nt][mt], b_hi, b_lo);
+            }
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int i = 0; i < kGroup; ++i)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) O[mt][dg + i][r] += acc[mt][i][r];
+    }
+}
+
 }  // namespace cupyflash

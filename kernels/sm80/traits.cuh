@@ -19,7 +19,7 @@ struct TcFwdTraits : TcWarpLayout<Element_, kHeadDim_, kBlockM_, kNWarps_> {
     static constexpr int kSmemQOffset = 0;  // Storage elements
     static constexpr int kSmemKOffset = kSmemQOffset + kBlockM * Base::kStride;
     static constexpr int kSmemVOffset = kSmemKOffset + kBlockN * Base::kStride;
-    static constexpr int kSmemBytes = (kSmemVOffset + kBlockN * Base::kStride) * 2;
+    static constexpr int kSmemBytes = (kSmemVOffset + kBlockN * Base::kStride) * sizeof(typename Base::Storage);
 
     static_assert(kBlockN % 16 == 0, "P_ij feeds P V in k16 steps");
 };

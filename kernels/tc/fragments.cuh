@@ -33,21 +33,22 @@ template <typename Lt, int kRows>
 __device__ __forceinline__ void load_tile_async(unsigned s_tile, const typename Lt::Storage* g_tile,
                                                 long long row_stride, int rows_valid, int head_dim) {
     using Storage = typename Lt::Storage;
-    constexpr int kChunksPerRow = Lt::kHeadDim / 8;
+    constexpr int kChunk = 16 / static_cast<int>(sizeof(Storage));  // elements of a 16-byte chunk
+    constexpr int kChunksPerRow = Lt::kHeadDim / kChunk;
     constexpr int kRowsPerPass = Lt::kNThreads / kChunksPerRow;  // threads past a whole row idle
     constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
     static_assert(kRowsPerPass > 0, "a block must cover one tile row per pass");
-    const int row = threadIdx.x / kChunksPerRow, col = threadIdx.x % kChunksPerRow * 8;
+    const int row = threadIdx.x / kChunksPerRow, col = threadIdx.x % kChunksPerRow * kChunk;
     if (Lt::kNThreads % kChunksPerRow != 0 && row >= kRowsPerPass) return;
     // A chunk wholly past head_dim copies nothing; its address stays inside the row.
-    const int col_bytes = max(0, min(16, (head_dim - col) * 2));
+    const int col_bytes = max(0, min(16, (head_dim - col) * static_cast<int>(sizeof(Storage))));
     const Storage* g = g_tile + row * row_stride + (col_bytes > 0 ? col : 0);
     const unsigned s = s_tile + Lt::template tile_offset<kRows>(row, col);
     const long long g_step = kRowsPerPass * row_stride;
     constexpr unsigned kSStep = Lt::row_bytes(kRowsPerPass);
     static_assert(kRowsPerPass % Lt::kRowPeriod == 0, "a pass moves every chunk by the same shared-memory step");
-    const bool vectorised =
-        ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 2)) & 15) == 0;
+    const bool vectorised = ((reinterpret_cast<unsigned long long>(g_tile) |
+                              static_cast<unsigned long long>(row_stride * sizeof(Storage))) & 15) == 0;
     if (vectorised && rows_valid >= kRows) {
 #pragma unroll
         for (int p = 0; p < kPasses; ++p, g += g_step) {
@@ -66,9 +67,9 @@ __device__ __forceinline__ void load_tile_async(unsigned s_tile, const typename 
         for (int p = 0; p < kPasses; ++p, g += g_step) {
             if (kRows % kRowsPerPass != 0 && row + p * kRowsPerPass >= kRows) break;
             const bool valid = row + p * kRowsPerPass < rows_valid;
-            Vec<Storage, 8> x;
+            Vec<Storage, kChunk> x;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) x.x[e] = valid && col + e < head_dim ? g[e] : Storage(0);
+            for (int e = 0; e < kChunk; ++e) x.x[e] = valid && col + e < head_dim ? g[e] : Storage(0);
             store_shared_16(s + p * kSStep, &x);
         }
     }
@@ -344,8 +345,9 @@ __device__ __forceinline__ void store_fragments(typename NumericTraits<Element>:
                                                 int rows_valid, int cols_valid, const float (&C)[kMTiles][kNTiles][4],
                                                 float scale, const Fragment& f) {
     using Numeric = NumericTraits<Element>;
-    const bool paired =
-        ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 2)) & 3) == 0;
+    constexpr unsigned kSize = sizeof(typename Numeric::Storage);
+    const bool paired = ((reinterpret_cast<unsigned long long>(g_tile) |
+                          static_cast<unsigned long long>(row_stride * kSize)) & (2 * kSize - 1)) == 0;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -358,7 +360,10 @@ __device__ __forceinline__ void store_fragments(typename NumericTraits<Element>:
                 const float x0 = C[mt][nt][2 * h] * scale, x1 = C[mt][nt][2 * h + 1] * scale;
                 auto* p = g_tile + row * row_stride + col;
                 if (paired && col + 1 < cols_valid) {
-                    *reinterpret_cast<unsigned*>(p) = Mma<Element>::pack(x0, x1);
+                    if constexpr (kSize == 4)
+                        *reinterpret_cast<float2*>(p) = make_float2(x0, x1);
+                    else
+                        *reinterpret_cast<unsigned*>(p) = Mma<Element>::pack(x0, x1);
                 } else {
                     if (col < cols_valid) p[0] = Numeric::from_accum(x0);
                     if (col + 1 < cols_valid) p[1] = Numeric::from_accum(x1);
