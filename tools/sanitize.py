@@ -140,6 +140,7 @@ def _problems():
         ("varlen float32", {}, False, varlen(numpy.float32, [17, 3], [40, 1], 40)),
         ("decode split", {}, False, decode(bf16, 128, 3)),
         ("decode float32", {}, False, decode(numpy.float32, 64, None)),
+        ("decode float64 split", {}, False, decode(numpy.float64, 96, 3)),
         ("dropout_mask", {}, False, mask_on_device),
     ]
 

@@ -71,7 +71,7 @@ def check(q, k, v, out, dtype_name) -> tuple[bool, str]:
     return err <= bound and not bool(numpy.isnan(got).any()), f"err {err:.2e} <= {bound:.2e}"
 
 
-def time_sdpa(torch, backend, q, k, v, bench, max_seconds):
+def time_sdpa(torch, backend, q, k, v, max_seconds):
     """Milliseconds, or the reason the backend does not run the shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -88,7 +88,7 @@ def time_sdpa(torch, backend, q, k, v, bench, max_seconds):
         return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
 
 
-def graph_ms(fn, bench, max_seconds):
+def graph_ms(fn, max_seconds):
     """The GPU's time per call without the host's: one call captured in a CUDA graph and replayed.
     A decoding step's Python path (validation, argument packing, 2-3 launches: ~60-80 us) is
     longer than the kernels' time on small caches; back-to-back calls then time the host. The
@@ -152,10 +152,10 @@ def main(argv=None) -> int:
         if not ok:
             failures.append(f"{pr}: {message}")
         timings = {"cupyflash": common.median_ms(step, args.max_seconds),
-                   "cupyflash-graph": graph_ms(step, bench, args.max_seconds)}
+                   "cupyflash-graph": graph_ms(step, args.max_seconds)}
         if torch is not None:
             for backend in TORCH_BACKENDS:
-                timings[f"torch-{backend}"] = time_sdpa(torch, backend, q, k, v, bench, args.max_seconds)
+                timings[f"torch-{backend}"] = time_sdpa(torch, backend, q, k, v, args.max_seconds)
             torch.cuda.empty_cache()  # the math backend's scores would crowd the next, larger caches
         for method, ms in timings.items():
             timed = isinstance(ms, float)
