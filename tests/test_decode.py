@@ -5,7 +5,7 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import catalog, reference
+from cupyflash import catalog, reference, validation
 from cupyflash.catalog.decode import DecodeKernelBase
 from cupyflash.catalog.tiles import DECODE_MAX_SPLITS, DTYPE_NAMES, PADDED_HEAD_DIMS, TENSOR_CORE_DTYPES
 from cupyflash.dispatch.decode import choose_splits
@@ -139,10 +139,32 @@ def test_decode_instantiations_cover_every_dtype_and_head_dim():
     for name in DTYPE_NAMES:
         for d in PADDED_HEAD_DIMS:
             assert catalog.decode_kernel(name, d) in kernels
+            assert catalog.decode_kernel(name, d, one_row=True, score_mod=True) in kernels
             if name in TENSOR_CORE_DTYPES:
                 assert catalog.decode_kernel(name, d, tensor_cores=True) in kernels
     with pytest.raises(ValueError, match="tensor-core decode kernel takes float16 or bfloat16"):
         catalog.decode_kernel("float32", 64, tensor_cores=True)
+
+
+def test_one_row_per_kv_head_takes_the_staged_cuda_core_kernel():
+    """Where the tensor cores do not serve, a K/V head with one query row (seqlen_q 1, no GQA)
+    takes the kernel staged through shared memory; more rows the per-lane one."""
+    from cupyflash.catalog.decode import DecodeKernel, DecodeStagedKernel
+    from cupyflash.dispatch import decode as planner
+    from cupyflash.dispatch.policy import current
+    from cupyflash.problem import DecodeProblem
+    from cupyflash.runtime.device import DeviceInfo
+
+    a100 = DeviceInfo(-1, "an A100-like device", 80, 108, 163 * 1024, 164 * 1024)
+    for dtype, heads_kv, seqlen_q, kind in [("float32", 8, 1, DecodeStagedKernel), ("float64", 8, 1, DecodeStagedKernel),
+                                            ("float32", 2, 1, DecodeKernel), ("float64", 8, 2, DecodeKernel)]:
+        p = validation.check_attention_args(
+            numpy.zeros((1, seqlen_q, 8, 64), dtype), *(numpy.zeros((1, 100, heads_kv, 64), dtype),) * 2,
+            causal=False, scale=None, return_lse=True, window=None, softcap=None)
+        kernel = planner.decode_kernel(DecodeProblem(p, 0, None, None), a100, current())
+        assert type(kernel) is kind, (dtype, heads_kv, seqlen_q)
+    for d in PADDED_HEAD_DIMS:  # every staged build fits an A100's shared memory
+        assert all(DecodeStagedKernel(name, d).smem_bytes <= a100.smem_per_block for name in DTYPE_NAMES)
 
 
 @pytest.mark.cpu_only

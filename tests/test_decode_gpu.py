@@ -98,6 +98,15 @@ def test_decode_every_head_dim_class(rng, nan_outputs, dtype, head_dim):
                      causal=True)
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_decode_one_row_every_head_dim_class(rng, nan_outputs, dtype, head_dim):
+    """One query row per K/V head (the CUDA-core kernel staged through shared memory): rows padded
+    with NaN past head_dim, a window, splits, and a sequence shorter than a key tile."""
+    decode_and_check(rng, dtype, batch=2, seqlen_q=1, heads=3, heads_kv=3, head_dim=head_dim, cache_len=2100,
+                     lengths=[2099, 5], seqlen_new=1, causal=True, window=(700, 0), num_splits=3, layout="padded")
+
+
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_decode_splits(rng, nan_outputs, dtype, num_splits):

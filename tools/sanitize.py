@@ -89,13 +89,13 @@ def _problems():
             cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options)
         return call
 
-    def decode(dtype, d, num_splits):
+    def decode(dtype, d, num_splits, seqlen_q=2, heads=4):
         def call(rng):
             import cupy
 
-            q = cupy.asarray(rng.standard_normal((3, 2, 4, d)).astype(dtype))
+            q = cupy.asarray(rng.standard_normal((3, seqlen_q, heads, d)).astype(dtype))
             k_cache, v_cache = (cupy.asarray(rng.standard_normal((3, 700, 2, d)).astype(dtype)) for _ in range(2))
-            k_new, v_new = (cupy.asarray(rng.standard_normal((3, 2, 2, d)).astype(dtype)) for _ in range(2))
+            k_new, v_new = (cupy.asarray(rng.standard_normal((3, seqlen_q, 2, d)).astype(dtype)) for _ in range(2))
             lengths = numpy.array([0, 333, 698], numpy.int32)
             cupyflash.attention_decode(q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, causal=True,
                                        num_splits=num_splits)
@@ -141,6 +141,8 @@ def _problems():
         ("decode split", {}, False, decode(bf16, 128, 3)),
         ("decode float32", {}, False, decode(numpy.float32, 64, None)),
         ("decode float64 split", {}, False, decode(numpy.float64, 96, 3)),
+        ("decode one row, staged", {}, False, decode(numpy.float32, 128, 3, seqlen_q=1, heads=2)),
+        ("decode one row, staged float64", {}, False, decode(numpy.float64, 40, None, seqlen_q=1, heads=2)),
         ("dropout_mask", {}, False, mask_on_device),
     ]
 

@@ -1,8 +1,8 @@
 """Kernel descriptors of KV-cache decoding (kernels/decode/decode.cu). Decoding reads the whole
 cache for a handful of query rows, so its tiles are chosen for bytes in flight, not for FLOPs: the
-tensor-core kernel keeps kStages - 1 tiles of K and V (64 keys each) loading while one is used, and
-both kernels pack a GQA group's heads and the query positions into the rows of one tile
-(`DecodeLayout`)."""
+tensor-core kernel keeps kStages - 1 tiles of K and V (64 keys each) loading while one is used, as
+the CUDA-core kernel for one row does (`DecodeStagedKernel`); the kernels pack a GQA group's heads
+and the query positions into the rows of one tile (`DecodeLayout`)."""
 
 from __future__ import annotations
 
@@ -96,6 +96,49 @@ class DecodeKernel(DecodeKernelBase):
     def smem_bytes(self) -> int:
         # Mirrors DecodeTraits::kSmemBytes: Q [rows][d] in Accum, or the warps' merge.
         return max(self.rows * self.head_dim * accum_itemsize(self.dtype_name), self.merge_bytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStagedKernel(DecodeKernelBase):
+    """flash_decode_staged_kernel (CUDA cores, every dtype): one packed row per block (one query
+    row per K/V head), K and V tiles of about 8 KiB each in a ring of `stages`."""
+
+    kernel_name = "flash_decode_staged_kernel"
+    traits_name = "DecodeStagedTraits"
+    family = "scalar"
+    rows = 1
+    stages = 4
+
+    @functools.cached_property
+    def block_n(self) -> int:
+        # Mirrors decode_warp_keys: a power of two up to 32 keys a warp, a K tile within 8 KiB.
+        keys = 32
+        while keys > 1 and keys * DECODE_WARPS * self.head_dim * self._itemsize > 8 * 1024:
+            keys //= 2
+        return keys * DECODE_WARPS
+
+    @property
+    def _itemsize(self) -> int:
+        return {"float64": 8, "float32": 4}.get(self.dtype_name, 2)  # float16, bfloat16: 2
+
+    @property
+    def traits_args(self) -> tuple:
+        return DECODE_WARPS, self.stages
+
+    @functools.cached_property  # on every decoding step's launch path
+    def smem_bytes(self) -> int:
+        # Mirrors DecodeStagedTraits::kSmemBytes: Q [1][d] in Accum, then kStages x (K_j, V_j) with
+        # rows padded by kPadChunks 16-byte chunks; or the warps' merge.
+        chunk = 16 // self._itemsize
+        lanes, row_chunks = 32 * DECODE_WARPS // self.block_n, self.head_dim // chunk
+        pad = 0 if lanes >= 8 or row_chunks < 8 else (lanes - row_chunks) % 8
+        tile_bytes = self.block_n * (self.head_dim + pad * chunk) * self._itemsize
+        q_bytes = -(-self.rows * self.head_dim * accum_itemsize(self.dtype_name) // 16) * 16
+        return max(q_bytes + self.stages * 2 * tile_bytes, self.merge_bytes())
+
+    def host_checks(self) -> str:
+        return super().host_checks() + (f"static_assert({self.traits}::kBlockN == {self.block_n}, "
+                                        f'"cupyflash/catalog and {self.traits_name} disagree on the key tile");\n')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import math
 import re
 
 from cupyflash.catalog import tiles
-from cupyflash.catalog.decode import DecodeAppendKernel, DecodeKernel, TcDecodeKernel
+from cupyflash.catalog.decode import DecodeAppendKernel, DecodeKernel, DecodeStagedKernel, TcDecodeKernel
 from cupyflash.catalog.specs import (
     BWD_ROW_STEPS, MAX_GRID_Y, BwdDkdvKernel, BwdDqKernel, BwdRowKernel, DropoutMaskKernel, FwdKernel,
 )
@@ -153,12 +153,15 @@ def bwd_row_kernel(step: str, dtype_name: str, seqlen_q: int) -> BwdRowKernel:
     return kernel
 
 
-def decode_kernel(dtype_name: str, head_dim: int, tensor_cores: bool = False, score_mod: bool = False):
-    """The decode kernel: TcDecodeKernel with tensor_cores (16-bit only), else DecodeKernel; their
-    score-modifier (softcap, ALiBi) instantiation with score_mod."""
+def decode_kernel(dtype_name: str, head_dim: int, tensor_cores: bool = False, score_mod: bool = False,
+                  one_row: bool = False):
+    """The decode kernel: TcDecodeKernel with tensor_cores (16-bit only), else DecodeStagedKernel
+    for one row per K/V head (one_row) and DecodeKernel for more; their score-modifier (softcap,
+    ALiBi) instantiation with score_mod."""
     if tensor_cores and dtype_name not in tiles.TENSOR_CORE_DTYPES:
         raise Unavailable(f"the tensor-core decode kernel takes float16 or bfloat16, not {dtype_name}")
-    return (TcDecodeKernel if tensor_cores else DecodeKernel)(dtype_name, tiles.padded_head_dim(head_dim), score_mod)
+    kind = TcDecodeKernel if tensor_cores else DecodeStagedKernel if one_row else DecodeKernel
+    return kind(dtype_name, tiles.padded_head_dim(head_dim), score_mod)
 
 
 @functools.cache  # on every block-sparse call's path; it depends only on these two values
@@ -218,6 +221,8 @@ def _decode_kernels() -> list:
     kernels = [DecodeKernel(name, d, mod) for name in tiles.DTYPE_NAMES for d in tiles.PADDED_HEAD_DIMS
                for mod in (False, True)]
     kernels += [TcDecodeKernel(name, d, mod) for name in tiles.TENSOR_CORE_DTYPES for d in tiles.PADDED_HEAD_DIMS
+                for mod in (False, True)]
+    kernels += [DecodeStagedKernel(name, d, mod) for name in tiles.DTYPE_NAMES for d in tiles.PADDED_HEAD_DIMS
                 for mod in (False, True)]
     return kernels + [DecodeAppendKernel(name) for name in tiles.DTYPE_NAMES]
 

@@ -118,8 +118,9 @@ struct DecodeLayout {
     // spreads the rows of an mma accumulator's column pair over the banks (unpadded, 8 rows share one).
     static constexpr int kOStride = kHeadDim + 8;
     static constexpr int kMergeBytes = kNWarps * kRows * (kOStride + 2) * static_cast<int>(sizeof(Accum));
-    static_assert(kMergeBytes >= kNWarps * kDecodeMaxSplits * static_cast<int>(sizeof(Accum)),
-                  "decode_combine_splits keeps each warp's split weights in the merge's shared memory");
+    // decode_combine_splits keeps each warp's split weights in the block's shared memory (each
+    // kernel's traits check that its kSmemBytes holds them).
+    static constexpr int kCombineBytes = kNWarps * kDecodeMaxSplits * static_cast<int>(sizeof(Accum));
     static_assert(kBlockN % kNWarps == 0, "the warps share a tile's keys evenly");
 };
 
