@@ -192,6 +192,7 @@ def test_too_much_shared_memory_is_a_clear_error(monkeypatch):
     ("scalar/fwd.cu", "cupyflash::FwdParams"),
     ("scalar/bwd.cu", "cupyflash::BwdParams"),
     ("decode/decode.cu", "cupyflash::DecodeParams"),
+    ("decode/cuda_cores.cu", "cupyflash::DecodeParams"),
 ])
 def test_params_struct_layout_matches_host(source_file, struct):
     import cupy

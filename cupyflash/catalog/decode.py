@@ -1,8 +1,8 @@
-"""Kernel descriptors of KV-cache decoding (kernels/decode/decode.cu). Decoding reads the whole
-cache for a handful of query rows, so its tiles are chosen for bytes in flight, not for FLOPs: the
-tensor-core kernel keeps kStages - 1 tiles of K and V (64 keys each) loading while one is used, as
-the CUDA-core kernel for one row does (`DecodeStagedKernel`); the kernels pack a GQA group's heads
-and the query positions into the rows of one tile (`DecodeLayout`)."""
+"""Kernel descriptors of KV-cache decoding (kernels/decode/: decode.cu, cuda_cores.cu). Decoding
+reads the whole cache for a handful of query rows, so its tiles are chosen for bytes in flight, not
+for FLOPs: the tensor-core kernel keeps kStages - 1 tiles of K and V (64 keys each) loading while
+one is used, as the CUDA-core kernel for one row does (`DecodeStagedKernel`); the kernels pack a
+GQA group's heads and the query positions into the rows of one tile (`DecodeLayout`)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ class DecodeKernel(DecodeKernelBase):
     kernel_name = "flash_decode_kernel"
     traits_name = "DecodeTraits"
     family = "scalar"
+    source_file = "decode/cuda_cores.cu"
     block_n = 32 * DECODE_WARPS
 
     @property
@@ -106,6 +107,7 @@ class DecodeStagedKernel(DecodeKernelBase):
     kernel_name = "flash_decode_staged_kernel"
     traits_name = "DecodeStagedTraits"
     family = "scalar"
+    source_file = "decode/cuda_cores.cu"
     rows = 1
     stages = 4
 
