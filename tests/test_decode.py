@@ -156,7 +156,8 @@ def test_one_row_per_kv_head_takes_the_staged_cuda_core_kernel():
     from cupyflash.runtime.device import DeviceInfo
 
     a100 = DeviceInfo(-1, "an A100-like device", 80, 108, 163 * 1024, 164 * 1024)
-    for dtype, heads_kv, seqlen_q, kind in [("float32", 8, 1, DecodeStagedKernel), ("float64", 8, 1, DecodeStagedKernel),
+    for dtype, heads_kv, seqlen_q, kind in [("float32", 8, 1, DecodeStagedKernel),
+                                            ("float64", 8, 1, DecodeStagedKernel),
                                             ("float32", 2, 1, DecodeKernel), ("float64", 8, 2, DecodeKernel)]:
         p = validation.check_attention_args(
             numpy.zeros((1, seqlen_q, 8, 64), dtype), *(numpy.zeros((1, 100, heads_kv, 64), dtype),) * 2,

@@ -1,7 +1,8 @@
 """The tensor-core (mma.sync) kernels: that 16-bit attention takes them (and float32's forward, as
 TF32 products, at each precision), every padded head dim and both tile-load paths (cp.async and
-element-wise) against the float64 reference, and the scalar 16-bit kernels kept as the baseline. The awkward grids of test_attention_gpu.py and
-test_backward_gpu.py run the tensor-core path too for float16/bfloat16. Marker `gpu`."""
+element-wise) against the float64 reference, and the scalar 16-bit kernels kept as the baseline.
+The awkward grids of test_attention_gpu.py and test_backward_gpu.py run the tensor-core path too
+for float16/bfloat16 (and float32's forward). Marker `gpu`."""
 
 import dataclasses
 

@@ -11,6 +11,7 @@ import math
 from cupyflash.catalog import tiles
 from cupyflash.catalog.specs import TiledKernel, smem_check
 
+
 def _tc_tile_bytes(rows: int, columns: int, itemsize: int = 2) -> int:
     """A [rows][columns] tile's bytes, its rows padded by 16 bytes (TcTileLayout::kPad)."""
     return rows * (columns + 16 // itemsize) * itemsize
