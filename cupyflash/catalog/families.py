@@ -164,6 +164,14 @@ def decode_kernel(dtype_name: str, head_dim: int, tensor_cores: bool = False, sc
     return kind(dtype_name, tiles.padded_head_dim(head_dim), score_mod)
 
 
+def _tf32_forward_kernels(dtype_name: str, head_dim: int, variant: Variant) -> list:
+    """The sm80 forward's TF32 instantiations of a float32 problem, one per TF32 precision (none for
+    other dtypes or past TF32_MAX_HEAD_DIM)."""
+    if dtype_name not in tiles.TF32_FORWARD_DTYPES or tiles.padded_head_dim(head_dim) > tiles.TF32_MAX_HEAD_DIM:
+        return []
+    return [forward_kernel("sm80", dtype_name, head_dim, variant, precision) for precision in tiles.TF32_PASSES]
+
+
 @functools.cache  # on every block-sparse call's path; it depends only on these two values
 def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
     """(queries, keys): what a block mask's block size must be a multiple of for this dtype and
@@ -180,8 +188,7 @@ def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
                     kernels.append(make(family, dtype_name, head_dim, v))
                 except Unavailable:
                     pass
-        if dtype_name in tiles.TF32_FORWARD_DTYPES and tiles.padded_head_dim(head_dim) <= tiles.TF32_MAX_HEAD_DIM:
-            kernels += [forward_kernel("sm80", dtype_name, head_dim, v, precision) for precision in tiles.TF32_PASSES]
+        kernels += _tf32_forward_kernels(dtype_name, head_dim, v)
         if dtype_name in tiles.TENSOR_CORE_DTYPES:
             kernels.append(dkdv_kernel("sm80", dtype_name, head_dim, v, large_smem=True))
         kernels.append(dq_kernel(dtype_name in tiles.TENSOR_CORE_DTYPES, dtype_name, head_dim, v))
@@ -202,8 +209,7 @@ def _attention_kernels() -> list:
             for v in _variants():
                 kernels += [forward_kernel("scalar", dtype_name, d, v), dkdv_kernel("scalar", dtype_name, d, v),
                             dq_kernel(False, dtype_name, d, v)]
-                if dtype_name in tiles.TF32_FORWARD_DTYPES and d <= tiles.TF32_MAX_HEAD_DIM:
-                    kernels += [forward_kernel("sm80", dtype_name, d, v, precision) for precision in tiles.TF32_PASSES]
+                kernels += _tf32_forward_kernels(dtype_name, d, v)
                 if not tensor_cores:
                     continue
                 kernels += [forward_kernel("sm80", dtype_name, d, v), dq_kernel(True, dtype_name, d, v)]
