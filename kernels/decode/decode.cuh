@@ -142,7 +142,9 @@ __device__ __forceinline__ void decode_merge_and_store(const DecodeParams& param
     using Vector = Vec<Accum, kVec>;
     const int total_rows = params.batch * params.heads * params.seqlen_q;
     const int rows_valid = min(Lt::kRows, params.rows - row0);
-    const int vecs_per_row = ceil_div(params.head_dim, kVec);
+    // With splits, whole padded rows (zero past head_dim) go to o_partial, which
+    // decode_combine_splits reads whole (initcheck saw its reads past head_dim unwritten).
+    const int vecs_per_row = params.num_splits > 1 ? Lt::kHeadDim / kVec : ceil_div(params.head_dim, kVec);
     for (int i = threadIdx.x; i < rows_valid * vecs_per_row; i += Lt::kNThreads) {
         const int r = i / vecs_per_row, c = i % vecs_per_row * kVec, row = row0 + r;
         Accum m = neg_inf<Accum>();
