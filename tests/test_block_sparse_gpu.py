@@ -7,8 +7,8 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import BlockMask, validation
-from cupyflash.catalog import tiles
+from cupyflash import BlockMask, catalog, validation
+from cupyflash.catalog import Unavailable, Variant, tiles
 from families import HOPPER, MMA_SYNC, SCALAR, backward, forward
 from cupyflash.api import common
 from shapes import DTYPES, bits, random_qkv
@@ -130,12 +130,17 @@ def test_full_mask_is_bitwise_dense_attention(rng, dtype):
     attention: the same bits (dq in deterministic mode; the atomic dq's order varies). Head dims
     where the block-sparse kernels have the dense kernels' tiles: 59 (padded to 64) not causal, 150
     (padded to 160) causal (at d65-128 the 16-bit forward's differ, and at d <= 64 the causal
-    one's, `tc_fwd_tile_shape`)."""
+    one's, `tc_fwd_tile_shape`); float64's forward (`f64_fwd_tile_shape`) differs at d <= 64, so
+    111 (padded to 128) there."""
     import cupy
 
-    for causal, head_dim in ((False, 59), (True, 150)):
-        d = tiles.padded_head_dim(head_dim)
-        assert tiles.tc_fwd_tile_shape(d, True, causal) == tiles.tc_fwd_tile_shape(d, False, causal)
+    for causal, head_dim in ((False, 111 if dtype == "float64" else 59), (True, 150)):
+        for family in ("sm80", "scalar"):
+            try:
+                pair = [catalog.forward_kernel(family, dtype, head_dim, Variant(causal, sparse)) for sparse in (False, True)]
+            except Unavailable:
+                continue
+            assert pair[0].tile == pair[1].tile
         q, k, v = (cupy.asarray(x) for x in random_qkv(rng, dtype, 2, 333, 517, 2, head_dim))
         dout = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
         mask = BlockMask(numpy.ones((1, 3, 5), bool))

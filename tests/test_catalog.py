@@ -73,8 +73,11 @@ def test_each_family_builds_what_it_can():
         catalog.forward_kernel("sm80", "float32", 160, Variant(), "high")
     with pytest.raises(ValueError, match="goes with float32 and only with it"):
         TcFwdKernel("float16", 64, False, precision="high")
+    assert catalog.forward_kernel("sm80", "float64", 128, Variant(local=True)).element_type == "double"
+    with pytest.raises(Unavailable, match="float64 builds at head dims up to 128"):
+        catalog.forward_kernel("sm80", "float64", 160)
     for family, dtype_name, d, v, why in [
-        ("sm80", "float64", 64, Variant(), "float16 or bfloat16"),
+        ("sm90", "float64", 64, Variant(), "float16 or bfloat16"),
         ("sm80", "float32", 64, Variant(), "precision 'highest' computes on CUDA cores"),
         ("sm90", "bfloat16", 160, Variant(), "head dims"),
         ("sm90-tma", "bfloat16", 64, Variant(True, score_mod=True), "softcap"),

@@ -1,8 +1,9 @@
 """The tensor-core (mma.sync) kernels: that 16-bit attention takes them (and float32's forward, as
-TF32 products, at each precision), every padded head dim and both tile-load paths (cp.async and
-element-wise) against the float64 reference, and the scalar 16-bit kernels kept as the baseline.
-The awkward grids of test_attention_gpu.py and test_backward_gpu.py run the tensor-core path too
-for float16/bfloat16 (and float32's forward). Marker `gpu`."""
+TF32 products, at each precision, and float64's, on DMMA), every padded head dim and both tile-load
+paths (cp.async and element-wise) against the float64 reference, and the scalar 16-bit and float64
+kernels kept as the baseline. The awkward grids of test_attention_gpu.py and test_backward_gpu.py
+run the tensor-core path too for float16/bfloat16 (and float32's and float64's forward). Marker
+`gpu`."""
 
 import dataclasses
 
@@ -10,10 +11,12 @@ import numpy
 import pytest
 
 import cupyflash
-from cupyflash import validation
-from cupyflash.catalog import tiles
+from cupyflash import catalog, validation
+from cupyflash.catalog import Variant, tiles
+from cupyflash.catalog.tensor_cores import TcFwdKernel
 from cupyflash.catalog.specs import BwdRowKernel
 from cupyflash.dispatch.policy import current
+from cupyflash.problem import lse_dtype
 from cupyflash.runtime import device as devices
 from cupyflash.runtime import launch
 from families import MMA_SYNC, SCALAR, TENSOR_CORES, backward, forward
@@ -59,8 +62,9 @@ def test_16_bit_dtypes_take_the_tensor_core_kernels(rng, launched, dtype):
     elif dtype == "float32":  # the forward as 3xTF32 (float32 accuracy), the backward on CUDA cores
         assert tiled == ["TcFwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
         assert launched[0].element_type == "cupyflash::Tf32<3>"
-    else:  # float64 on CUDA cores
-        assert tiled == ["FwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
+    else:  # float64's forward on the FP64 tensor cores, the backward on CUDA cores
+        assert tiled == ["TcFwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
+        assert launched[0].element_type == "double"
 
 
 @pytest.mark.parametrize("precision,kernel", [("highest", "FwdKernel"), ("medium", "cupyflash::Tf32<1>")])
@@ -128,13 +132,49 @@ def test_float32_forward_on_one_tf32_product_meets_the_tf32_rule(rng, nan_output
     assert lse_err <= lse_bound, f"lse: max |error| {lse_err:.3e} > bound {lse_bound:.3e}"
 
 
+@pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 96, 111, 128])  # (tiles.F64_MAX_HEAD_DIM)
+@pytest.mark.parametrize("causal", [False, True])
+def test_float64_forward_on_dmma_meets_the_float64_rule(rng, nan_outputs, launched, causal, head_dim):
+    """The FP64 tensor cores over long key rows (3001 keys) and awkward lengths, against the float64
+    reference under the rule float64 arithmetic is held to."""
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float64", 2, 257, 3001, 3, head_dim))
+    out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+    assert launched[0].element_type == "double"
+    assert_matches_reference(q, k, v, out, lse, "float64", causal)
+
+
+@dataclasses.dataclass(frozen=True)
+class _M8n8k4FwdKernel(TcFwdKernel):
+    """The float64 forward with sm_80's form of the DMMA step (eight m8n8k4 products) on any GPU."""
+
+    compile_options = ("-DCUPYFLASH_DMMA_M8N8K4",)
+
+
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_float64_forward_on_sm80_dmma_steps(rng, nan_outputs, causal, head_dim):
+    """What an A100 runs (sm_90 compiles the k16 step as one m16n8k16), forced on this GPU."""
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float64", 2, 257, 1001, 3, head_dim))
+    p = validation.check_attention_args(q, k, v, causal=causal, scale=None, return_lse=True)
+    base = catalog.forward_kernel("sm80", "float64", head_dim, Variant(local=causal))
+    kernel = _M8n8k4FwdKernel(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+    out = cupy.full(q.shape, numpy.nan)
+    lse = cupy.full((p.batch, p.heads, p.seqlen_q), numpy.nan)
+    forward(p, q, k, v, out, lse, kernel=kernel)
+    assert_matches_reference(q, k, v, out, lse, "float64", causal)
+
+
 def _forward_backward(q, k, v, dout, causal, deterministic, families):
     """attention + attention_backward through the planner, on these kernel families."""
     import cupy
 
     p = validation.check_attention_args(q, k, v, causal=causal, scale=None, return_lse=True)
     out = cupy.full(q.shape, numpy.nan, dtype=numpy.float32).astype(q.dtype)
-    lse = cupy.full((p.batch, p.heads, p.seqlen_q), numpy.nan, dtype=numpy.float32)
+    lse = cupy.full((p.batch, p.heads, p.seqlen_q), numpy.nan, dtype=lse_dtype(p.dtype_name))
     forward(p, q, k, v, out, lse, families)
     pb = validation.check_backward_args(dout, q, k, v, out, lse, causal=causal, scale=None, deterministic=deterministic)
     grads = [cupy.full(x.shape, numpy.nan, dtype=numpy.float32).astype(x.dtype) for x in (q, k, v)]
@@ -195,11 +235,11 @@ def test_misaligned_base_pointers_take_the_element_wise_loader(rng, dtype):
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, False)
 
 
-# The scalar kernels remain the readable baseline for 16-bit inputs (and the path on GPUs older
-# than sm_80): they must stay correct though attention() no longer picks them there.
+# The scalar kernels remain the readable baseline for 16-bit and float64 inputs (and the path on
+# GPUs older than sm_80): they must stay correct though attention() no longer picks them there.
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_scalar_kernels_still_serve_16_bit(rng, dtype, causal):
+@pytest.mark.parametrize("dtype", TC_DTYPES + ["float64"])
+def test_scalar_kernels_still_serve_16_bit_and_float64(rng, dtype, causal):
     check_forward_backward(rng, dtype, (2, 113, 203, 3, 111), causal, False, SCALAR)
 
 

@@ -53,7 +53,7 @@ def test_windows(rng, nan_outputs, dtype, window, causal, deterministic):
 
 
 @pytest.mark.parametrize("head_dim", [16, 40, 64, 96, 128, 160, 200, 256])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_windows_every_head_dim_class(rng, nan_outputs, dtype, head_dim):
     run(rng, dtype, (1, 700, 700, 2, head_dim), 2, causal=True, window=(150, None))
     run(rng, dtype, (1, 300, 500, 2, head_dim), 2, window=(70, 90))

@@ -95,7 +95,8 @@ def attention(
     Precision: float16/bfloat16 run on tensor cores (sm_80 and newer): every product accumulates
     in float32 and the softmax is float32, with P rounded to the input dtype before P V, as in
     FlashAttention-2 (GPUs older than sm_80 take the scalar kernels, all float32). float64 computes
-    in float64 on CUDA cores. float32's forward takes the tensor cores as 3xTF32 (three TF32
+    in float64: its forward on the FP64 tensor cores (sm_80 and newer, head dims up to 128), the
+    rest on CUDA cores. float32's forward takes the tensor cores as 3xTF32 (three TF32
     products a product, within float32's error) at head dims up to 128 on sm_80 and newer, and
     float32 on CUDA cores otherwise; `cupyflash.set_float32_precision` picks "highest" (CUDA cores
     always) or "medium" (one TF32 product: TF32's error, not float32's) instead.

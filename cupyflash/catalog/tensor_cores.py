@@ -1,4 +1,4 @@
-"""Kernel descriptors of the tensor-core kernels (float16 / bfloat16, and float32's TF32 forward):
+"""Kernel descriptors of the tensor-core kernels (float16 / bfloat16, float32's TF32 and float64's forward):
 the mma.sync kernels of kernels/sm80/ (sm_80 and newer) and the Hopper kernels of kernels/sm90/
 (wgmma, TMA; sm_90a)."""
 
@@ -35,7 +35,8 @@ class TcKernel(TiledKernel):
 @dataclasses.dataclass(frozen=True)
 class TcFwdKernel(TcKernel):
     """kernels/sm80/fwd.cu's flash_fwd_sm80_kernel: one block per query block. precision: float32's
-    ("high": 3xTF32, "medium": one TF32 product; tiles.FLOAT32_PRECISIONS), None for 16-bit."""
+    ("high": 3xTF32, "medium": one TF32 product; tiles.FLOAT32_PRECISIONS), None for 16-bit and
+    float64 (DMMA products)."""
 
     precision: str | None = None
 
@@ -56,14 +57,16 @@ class TcFwdKernel(TcKernel):
 
     @functools.cached_property
     def tile(self) -> tiles.TcTileShape:
-        table = tiles.tf32_fwd_tile_shape if self.precision else tiles.tc_fwd_tile_shape
+        table = (tiles.tf32_fwd_tile_shape if self.precision else
+                 tiles.f64_fwd_tile_shape if self.dtype_name in tiles.F64_FORWARD_DTYPES else tiles.tc_fwd_tile_shape)
         return self.tile_override or table(self.head_dim, self.block_sparse, self.local, self.score_mod, self.varlen)
 
     @functools.cached_property
     def smem_bytes(self) -> int:
         # Mirrors TcFwdTraits::kSmemBytes: Q_i, K_j, V_j.
         t = self.tile
-        return _tc_tile_bytes(t.block_m + 2 * t.block_n, self.head_dim, 4 if self.precision else 2)
+        itemsize = 8 if self.dtype_name in tiles.F64_FORWARD_DTYPES else 4 if self.precision else 2
+        return _tc_tile_bytes(t.block_m + 2 * t.block_n, self.head_dim, itemsize)
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)

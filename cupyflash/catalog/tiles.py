@@ -28,9 +28,13 @@ DTYPE_NAMES = tuple(ELEMENT_TYPES)
 # and float32's forward also on sm80/'s mma.sync kernel as TF32 products (TF32_FORWARD_DTYPES) at
 # head dims up to TF32_MAX_HEAD_DIM: above it, O's registers leave none for the key tile's own P V
 # accumulator (which float32 accuracy needs: sm80/gemm.cuh), and 12 of the 28 builds spill.
+# float64's forward runs on the same kernel's FP64 tensor-core (DMMA) products (F64_FORWARD_DTYPES)
+# at head dims up to F64_MAX_HEAD_DIM: a warp's 16 rows of O take 128 registers at d128.
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 TF32_FORWARD_DTYPES = ("float32",)
 TF32_MAX_HEAD_DIM = 128
+F64_FORWARD_DTYPES = ("float64",)
+F64_MAX_HEAD_DIM = 128
 
 # float32's precisions, PyTorch's words (torch.set_float32_matmul_precision): "highest" computes on
 # CUDA cores, "high" splits each operand into two TF32 numbers and takes three TF32 products
@@ -220,6 +224,16 @@ def tf32_fwd_tile_shape(padded: int, block_sparse: bool = False, local: bool = F
     """The float32 (TF32) forward's tile: 16 query rows a warp, as the split operands take twice
     the 16-bit kernels' registers, and float32 tiles twice their shared memory."""
     return TcTileShape(64, 32 if varlen else 64, num_warps=4, min_blocks_per_sm=1)
+
+
+def f64_fwd_tile_shape(padded: int, block_sparse: bool = False, local: bool = False, score_mod: bool = False,
+                       varlen: bool = False) -> TcTileShape:
+    """The float64 (DMMA) forward's tile: 16 query rows a warp (O alone takes 128 registers at d128),
+    and as many keys a step as fit beside O: 64 up to d64 (32 in the block-sparse builds, which keeps
+    float64's block masks at the CUDA-core kernels' 32-key granularity), 32 at d96, 16 at d128 (with
+    32, 40-128 bytes of spills at sm_90a)."""
+    block_n = 16 if padded > 96 else 32 if padded > 64 or block_sparse else 64
+    return TcTileShape(64, block_n, num_warps=4, min_blocks_per_sm=1)
 
 
 def tc_dkdv_tile_shape(padded: int, large_smem: bool = False, block_sparse: bool = False, score_mod: bool = False,

@@ -1,6 +1,6 @@
 // The sm_80 warp-level instructions of the tensor-core kernels, as inline PTX (no CUDA headers):
 // cp.async (global -> shared without registers), ldmatrix (shared -> mma fragments) and
-// mma.sync.m16n8k16 with float32 accumulators.
+// mma.sync: m16n8k16 with float32 accumulators, TF32's m16n8k8 and float64's DMMA.
 //
 // Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"), lane = 4·g + t:
 //   A (16 x 16, row-major), 4 x .b32 = 8 halves:  a[0]: row g,   cols 2t, 2t+1
@@ -58,6 +58,14 @@ __device__ __forceinline__ unsigned load_shared_4(unsigned src) {
     unsigned x;
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x) : "r"(src) : "memory");
     return x;
+}
+__device__ __forceinline__ double load_shared_f64(unsigned src) {
+    double x;
+    asm volatile("ld.shared.f64 %0, [%1];\n" : "=d"(x) : "r"(src) : "memory");
+    return x;
+}
+__device__ __forceinline__ void load_shared_f64x2(unsigned src, double& x, double& y) {
+    asm volatile("ld.shared.v2.f64 {%0, %1}, [%2];\n" : "=d"(x), "=d"(y) : "r"(src) : "memory");
 }
 __device__ __forceinline__ uint4 load_shared_16(unsigned src) {
     uint4 v;
@@ -158,6 +166,37 @@ template <int kPasses> struct Mma<Tf32<kPasses>> {
             mma(c, a_hi, b_lo[0], b_lo[1]);
         }
         mma(c, a_hi, b_hi[0], b_hi[1]);
+    }
+};
+
+// float64 products on the FP64 tensor cores (DMMA), a k16 step of a 16 x 8 tile at a time, accumulating in
+// float64 with IEEE round-to-nearest (the same rounding as a DFMA chain). Fragment layouts (PTX ISA,
+// "Matrix fragments for mma.m16n8k16" .f64), lane = 4g + t:
+//   A (16 x 16), 8 doubles: a[i]: row g + 8·(i % 2), col t + 4·(i / 2)
+//   B (16 x 8, "col"), 4 doubles: b[i]: row t + 4i, column g
+//   C (16 x 8), 4 doubles: as m16n8k16's float32 C (c[0], c[1]: row g, cols 2t, 2t+1; c[2], c[3]: row g+8)
+// The k index of slot (t, i) only has to be the same in A and B, so the kernels give it whatever
+// element order their shared-memory reads make contiguous (sm80/gemm.cuh). sm_90 has this shape as
+// one instruction; sm_80 has only m8n8k4 (A: row g, col t; B: row t, column g; C: row g, cols 2t,
+// 2t+1), of which the step is eight: two row halves by four k4 slices (CUPYFLASH_DMMA_M8N8K4
+// compiles that form on any GPU, for the tests).
+template <> struct Mma<double> {
+    static __device__ __forceinline__ void run(double (&c)[4], const double (&a)[8], const double (&b)[4]) {
+#if __CUDA_ARCH__ >= 900 && !defined(CUPYFLASH_DMMA_M8N8K4)
+        asm("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7, %8, %9, %10, %11}, "
+            "{%12, %13, %14, %15}, {%0, %1, %2, %3};\n"
+            : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+            : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]), "d"(a[6]), "d"(a[7]), "d"(b[0]),
+              "d"(b[1]), "d"(b[2]), "d"(b[3]));
+#else
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};\n"
+                    : "+d"(c[2 * h]), "+d"(c[2 * h + 1])
+                    : "d"(a[2 * i + h]), "d"(b[i]));
+#endif
     }
 };
 

@@ -1,5 +1,6 @@
-// Attention forward on tensor cores with mma.sync (float16 / bfloat16, and float32 as TF32 products; sm_80
-// and newer): FlashAttention-2, Algorithm 1, with float32 accumulation. Same algorithm, arguments and results as
+// Attention forward on tensor cores with mma.sync (float16 / bfloat16, float32 as TF32 products, float64 on
+// the FP64 tensor cores; sm_80 and newer): FlashAttention-2, Algorithm 1, with float32 accumulation
+// (float64 for float64). Same algorithm, arguments and results as
 // the scalar kernel (scalar/fwd.cu, the readable baseline); what changes is where the arithmetic runs:
 //   - S_ij = Q_i K_j^T and O_i += P_ij V_j are warp-level mma.sync products on ldmatrix'd fragments
 //     of padded tiles (sm80/gemm.cuh);
@@ -25,6 +26,7 @@ template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = fals
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     flash_fwd_sm80_kernel(const FwdParams launch_params) {
     using Storage = typename Kt::Storage;
+    using Accum = typename Kt::Accum;
     using Op = typename Kt::Op;
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned tiles = Kt::tile_base(smem_address(smem));
@@ -57,8 +59,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     const Storage* v = static_cast<const Storage*>(params.v) + k_batch * params.v_batch_stride +
                        kv_head * params.v_head_stride;
 
-    float O[Kt::kMTiles][Kt::kHeadDim / 8][4];
-    float m[Kt::kMTiles][2], l[Kt::kMTiles][2];
+    Accum O[Kt::kMTiles][Kt::kHeadDim / 8][4];
+    Accum m[Kt::kMTiles][2], l[Kt::kMTiles][2];
     init_row_state<Kt>(O, m, l);
 
     // (Dense and not local, the first tile is written as the dense kernel always had it, 0:
@@ -72,8 +74,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
                                          min(Kt::kBlockN, params.seqlen_k - first), params.head_dim);
         cp_async_commit();
     }
-    const float scale_log2 = static_cast<float>(params.scale_log2);
-    const auto mod = score_mod<kScoreMod, float>(params, batch_idx, head_idx);
+    const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
+    const auto mod = score_mod<kScoreMod, Accum>(params, batch_idx, head_idx);
     const auto dropout = dropout_for<kScoreMod>(params, batch_idx, head_idx);
 
     // Dense, the loop counts from tile 0 and passes over the tiles left of the band one compare
@@ -93,11 +95,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         constexpr bool kEarlyIndex = kIsBlockSparse && Kt::kMinBlocksPerSm == 1;
         const int early_next = kEarlyIndex && t + 1 < key_blocks.end ? key_blocks[t + 1] * Kt::kBlockN : 0;
 
-        float S[Kt::kMTiles][Kt::kNTiles][4];
+        Accum S[Kt::kMTiles][Kt::kNTiles][4];
         // (The products stay written out here: called through a wrapper, NVRTC scheduled 35 of
         // the 63 16-bit kernels differently.)
         zero(S);
-        if constexpr (Kt::kTf32)
+        if constexpr (Kt::kF64)
+            gemm_abt_ss_f64<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride>(
+                S, sQ + Kt::row_bytes(warp * Kt::kWarpRows), sK, f);
+        else if constexpr (Kt::kTf32)
             gemm_abt_ss_tf32<Op, Kt::kMTiles, Kt::kNTiles, Kt::kKSteps, Kt::kStride16, Kt::kStride16>(
                 S, sQ + Kt::row_bytes(warp * Kt::kWarpRows), sK, lane);
         else
@@ -105,9 +110,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
                 S, sQ + warp * Kt::kWarpRows * Kt::kStride * 2, sK, lane);
         softmax_step<Kt, kIsLocal, kScoreMod, false>(S, O, m, l, params, mod, dropout, scale_log2, row0, rows_valid,
                                                      warp_row0, col0, keys_valid, f);
-        // 16-bit: P_ij rounded to A fragments here; TF32: P_ij stays in S, split per k-step below.
-        unsigned P[Kt::kTf32 ? 1 : Kt::kMTiles][Kt::kNTiles / 2][4];
-        if constexpr (!Kt::kTf32) to_a_fragments<Op>(S, P);
+        // 16-bit: P_ij rounded to A fragments here; TF32 and float64: P_ij stays in S, taken per
+        // k-step below.
+        constexpr bool kPInS = Kt::kTf32 || Kt::kF64;
+        unsigned P[kPInS ? 1 : Kt::kMTiles][Kt::kNTiles / 2][4];
+        if constexpr (!kPInS) to_a_fragments<Op>(S, P);
 
         // V_j has landed; every warp is done reading K_j.
         tiles_landed<Kt>();
@@ -119,13 +126,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
                                              min(Kt::kBlockN, params.seqlen_k - next), params.head_dim);
         }
         cp_async_commit();
-        if constexpr (Kt::kTf32)
+        if constexpr (Kt::kF64)
+            gemm_pv_f64<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles, Kt::kStride>(O, S, sV, f);
+        else if constexpr (Kt::kTf32)
             gemm_pv_tf32<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles, Kt::kStride>(O, S, sV, f);
         else
             gemm_ab_rs<Op, Kt::kMTiles, Kt::kHeadDim / 8, Kt::kNTiles / 2, Kt::kStride>(O, P, sV, lane);
     }
 
-    epilogue_tc<Kt, kScoreMod>(params, O, m, l, q_batch, head_idx, warp_row0, f, dropout_rescale<kScoreMod, float>(params),
+    epilogue_tc<Kt, kScoreMod>(params, O, m, l, q_batch, head_idx, warp_row0, f, dropout_rescale<kScoreMod, Accum>(params),
                                sQ);
 }
 

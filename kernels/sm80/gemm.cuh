@@ -205,4 +205,70 @@ __device__ __forceinline__ void gemm_pv_tf32(float (&O)[kMTiles][kDTiles][4], co
     }
 }
 
+// float64 tiles on DMMA k16 steps (Op: Mma<double>): C += A B^T, both operands [rows][k] float64 in
+// shared memory (k contiguous, row stride kStride doubles): S = Q K^T. Slot (t, i) of a k-step
+// (arch/sm80.cuh) is element 4t + i, so that lane (g, t) reads each of its rows' four elements
+// with two 16-byte loads: A's rows g and g + 8, B's row g of each n8 tile. With kStride·8 bytes
+// = 16 (mod 128), the 8 lanes of a load phase (two rows, four lanes each) hit 8 distinct
+// 16-byte bank groups.
+template <typename Op, int kMTiles, int kNTiles, int kKSteps, int kStride>
+__device__ __forceinline__ void gemm_abt_ss_f64(double (&C)[kMTiles][kNTiles][4], unsigned sA, unsigned sB,
+                                                const Fragment& f) {
+    static_assert(kStride * 8 % 128 == 16, "rows fall 16 bytes apart in the banks");
+    const unsigned a0 = sA + (f.g * kStride + 4 * f.t) * 8;
+    const unsigned b0 = sB + (f.g * kStride + 4 * f.t) * 8;
+#pragma unroll 2
+    for (int ks = 0; ks < kKSteps; ++ks) {
+        double a[kMTiles][8];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned row = a0 + ((mt * 16 + 8 * h) * kStride + ks * 16) * 8;
+                load_shared_f64x2(row, a[mt][h], a[mt][2 + h]);
+                load_shared_f64x2(row + 16, a[mt][4 + h], a[mt][6 + h]);
+            }
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+            double b[4];
+            const unsigned row = b0 + (nt * 8 * kStride + ks * 16) * 8;
+            load_shared_f64x2(row, b[0], b[1]);
+            load_shared_f64x2(row + 16, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) Op::run(C[mt][nt], a[mt], b);
+        }
+    }
+}
+
+// float64 tiles on DMMA k16 steps (Op): O += P V with P an accumulator tile in registers (keys as its
+// columns) and V [keys][head dim] float64 rows in shared memory (row stride kStride doubles). Lane
+// (g, t) holds keys 2t, 2t + 1 of n8 tiles 2kk and 2kk + 1, rows g and g + 8: they are its slots
+// i = 0..3 of k16 step kk (slot i: key 2t + i % 2 + 8·(i / 2)), and B's slot i is V's row of the
+// same key at column g, read 8 bytes at a time (16 lanes of a phase: 4 rows 2 apart, 32 bytes
+// apart in the banks, by 4 columns: 16 distinct 8-byte bank pairs).
+template <typename Op, int kMTiles, int kDTiles, int kNTiles, int kStride>
+__device__ __forceinline__ void gemm_pv_f64(double (&O)[kMTiles][kDTiles][4], const double (&P)[kMTiles][kNTiles][4],
+                                            unsigned sV, const Fragment& f) {
+    static_assert(kNTiles % 2 == 0, "a k16 step takes two n8 tiles of P");
+    const unsigned v0 = sV + (2 * f.t * kStride + f.g) * 8;
+#pragma unroll
+    for (int kk = 0; kk < kNTiles / 2; ++kk) {
+        double a[kMTiles][8];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) a[mt][2 * i + h] = P[mt][2 * kk + i / 2][2 * h + i % 2];
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+            const unsigned row = v0 + (16 * kk * kStride + 8 * dt) * 8;
+            const double b[4] = {load_shared_f64(row), load_shared_f64(row + kStride * 8),
+                                 load_shared_f64(row + 8 * kStride * 8), load_shared_f64(row + 9 * kStride * 8)};
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) Op::run(O[mt][dt], a[mt], b);
+        }
+    }
+}
+
 }  // namespace cupyflash

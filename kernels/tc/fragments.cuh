@@ -117,56 +117,54 @@ __device__ __forceinline__ void tiles_landed() {
     __syncthreads();
 }
 
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void zero(float (&C)[kMTiles][kNTiles][4]) {
+template <typename T, int kMTiles, int kNTiles>
+__device__ __forceinline__ void zero(T (&C)[kMTiles][kNTiles][4]) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) C[mt][nt][i] = 0.f;
+            for (int i = 0; i < 4; ++i) C[mt][nt][i] = T(0);
 }
 
 // The 4 lanes of a fragment row hold its columns; these reduce over them.
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, shfl_xor(x, 1));
-    return fmaxf(x, shfl_xor(x, 2));
+template <typename T> __device__ __forceinline__ T quad_max(T x) {
+    x = max_(x, shfl_xor(x, 1));
+    return max_(x, shfl_xor(x, 2));
 }
-__device__ __forceinline__ float quad_sum(float x) {
+template <typename T> __device__ __forceinline__ T quad_sum(T x) {
     x += shfl_xor(x, 1);
     return x + shfl_xor(x, 2);
 }
 
 // The maximum of fragment row (mt, h) of S, times scale_log2 (the whole row: over its quad).
-template <typename Kt>
-__device__ __forceinline__ float row_max_log2(const float (&S)[Kt::kMTiles][Kt::kNTiles][4], int mt, int h,
-                                              float scale_log2) {
-    float m_tile = neg_inf<float>();
+template <typename Kt, typename T = typename Kt::Accum>
+__device__ __forceinline__ T row_max_log2(const T (&S)[Kt::kMTiles][Kt::kNTiles][4], int mt, int h, T scale_log2) {
+    T m_tile = neg_inf<T>();
 #pragma unroll
-    for (int nt = 0; nt < Kt::kNTiles; ++nt) m_tile = fmaxf(m_tile, fmaxf(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
+    for (int nt = 0; nt < Kt::kNTiles; ++nt) m_tile = max_(m_tile, max_(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
     return quad_max(m_tile) * scale_log2;
 }
 
 // P_ij = exp2(S_ij·scale_log2 - m_safe) in place for fragment row (mt, h); returns this lane's
 // share of the row's sum.
-template <typename Kt>
-__device__ __forceinline__ float exponentiate_row(float (&S)[Kt::kMTiles][Kt::kNTiles][4], int mt, int h,
-                                                  float scale_log2, float m_safe) {
-    float row_sum = 0.f;
+template <typename Kt, typename T = typename Kt::Accum>
+__device__ __forceinline__ T exponentiate_row(T (&S)[Kt::kMTiles][Kt::kNTiles][4], int mt, int h, T scale_log2,
+                                              T m_safe) {
+    T row_sum = T(0);
 #pragma unroll
     for (int nt = 0; nt < Kt::kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const float p = exp2f(fmaf(S[mt][nt][2 * h + e], scale_log2, -m_safe));
+            const T p = exp2_(fma_(S[mt][nt][2 * h + e], scale_log2, -m_safe));
             S[mt][nt][2 * h + e] = p;
             row_sum += p;
         }
     return row_sum;
 }
 
-template <typename Kt>
-__device__ __forceinline__ void rescale_row(float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4], int mt, int h,
-                                            float rescale) {
+template <typename Kt, typename T = typename Kt::Accum>
+__device__ __forceinline__ void rescale_row(T (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4], int mt, int h, T rescale) {
 #pragma unroll
     for (int dt = 0; dt < Kt::kHeadDim / 8; ++dt) {
         O[mt][dt][2 * h] *= rescale;
@@ -185,19 +183,18 @@ __device__ __forceinline__ void rescale_row(float (&O)[Kt::kMTiles][Kt::kHeadDim
 // per SM, 2.5% slower.)
 constexpr float kLazyRescaleLog2 = 8.f;
 
-template <typename Kt, bool kLazy = false, bool kFirst = false>
-__device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kNTiles][4],
-                                               float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
-                                               float (&m)[Kt::kMTiles][2], float (&l)[Kt::kMTiles][2],
-                                               float scale_log2) {
+template <typename Kt, bool kLazy = false, bool kFirst = false, typename T = typename Kt::Accum>
+__device__ __forceinline__ void online_softmax_tc(T (&S)[Kt::kMTiles][Kt::kNTiles][4],
+                                               T (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
+                                               T (&m)[Kt::kMTiles][2], T (&l)[Kt::kMTiles][2], T scale_log2) {
     if constexpr (kLazy) {
-        float m_new[Kt::kMTiles][2];
+        T m_new[Kt::kMTiles][2];
         bool grows = false;
 #pragma unroll
         for (int mt = 0; mt < Kt::kMTiles; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                m_new[mt][h] = fmaxf(m[mt][h], row_max_log2<Kt>(S, mt, h, scale_log2));
+                m_new[mt][h] = max_(m[mt][h], row_max_log2<Kt>(S, mt, h, scale_log2));
                 grows |= m_new[mt][h] > m[mt][h] + kLazyRescaleLog2;  // (-inf + 8 = -inf: a first finite max grows)
             }
         if (__any_sync(0xffffffffu, grows)) {
@@ -205,8 +202,8 @@ __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kN
             for (int mt = 0; mt < Kt::kMTiles; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float m_safe = m_new[mt][h] == neg_inf<float>() ? 0.f : m_new[mt][h];
-                    const float rescale = exp2f(m[mt][h] - m_safe);
+                    const T m_safe = m_new[mt][h] == neg_inf<T>() ? T(0) : m_new[mt][h];
+                    const T rescale = exp2_(m[mt][h] - m_safe);
                     m[mt][h] = m_new[mt][h];
                     l[mt][h] *= rescale;
                     rescale_row<Kt>(O, mt, h, rescale);
@@ -216,7 +213,7 @@ __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kN
         for (int mt = 0; mt < Kt::kMTiles; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float m_safe = m[mt][h] == neg_inf<float>() ? 0.f : m[mt][h];
+                const T m_safe = m[mt][h] == neg_inf<T>() ? T(0) : m[mt][h];
                 l[mt][h] += exponentiate_row<Kt>(S, mt, h, scale_log2, m_safe);
             }
         return;
@@ -230,7 +227,7 @@ __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kN
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 m[mt][h] = row_max_log2<Kt>(S, mt, h, scale_log2);
-                const float m_safe = m[mt][h] == neg_inf<float>() ? 0.f : m[mt][h];
+                const T m_safe = m[mt][h] == neg_inf<T>() ? T(0) : m[mt][h];
                 l[mt][h] = exponentiate_row<Kt>(S, mt, h, scale_log2, m_safe);
             }
         return;
@@ -239,13 +236,13 @@ __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kN
     for (int mt = 0; mt < Kt::kMTiles; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float m_new = fmaxf(m[mt][h], row_max_log2<Kt>(S, mt, h, scale_log2));
+            const T m_new = max_(m[mt][h], row_max_log2<Kt>(S, mt, h, scale_log2));
             // A row with every key masked so far has m_new = -inf; subtracting 0 instead keeps
             // exp2(-inf - (-inf)) = NaN out, and its probabilities come out exactly 0.
-            const float m_safe = m_new == neg_inf<float>() ? 0.f : m_new;
-            const float rescale = exp2f(m[mt][h] - m_safe);
+            const T m_safe = m_new == neg_inf<T>() ? T(0) : m_new;
+            const T rescale = exp2_(m[mt][h] - m_safe);
             m[mt][h] = m_new;
-            const float row_sum = exponentiate_row<Kt>(S, mt, h, scale_log2, m_safe);
+            const T row_sum = exponentiate_row<Kt>(S, mt, h, scale_log2, m_safe);
             l[mt][h] = l[mt][h] * rescale + row_sum;
             rescale_row<Kt>(O, mt, h, rescale);
         }
@@ -254,8 +251,8 @@ __device__ __forceinline__ void online_softmax_tc(float (&S)[Kt::kMTiles][Kt::kN
 // -inf for keys >= seqlen_k and, with local attention (causal included), keys outside the band.
 // Rows are queries from row0 and columns keys from col0, or with kTransposed (S^T in the dK/dV
 // kernel) rows are keys and columns queries.
-template <bool kIsLocal, bool kTransposed, int kMTiles, int kNTiles, typename Params>
-__device__ __forceinline__ void mask_fragments(float (&S)[kMTiles][kNTiles][4], int row0, int col0,
+template <bool kIsLocal, bool kTransposed, typename T, int kMTiles, int kNTiles, typename Params>
+__device__ __forceinline__ void mask_fragments(T (&S)[kMTiles][kNTiles][4], int row0, int col0,
                                                const Params& params, const Fragment& f) {
     // Each edge in a pass of its own: the two-sided test in one pass costs the 16-bit kernels at
     // 255 registers (forward d64-128, dK/dV) spills.
@@ -270,7 +267,7 @@ __device__ __forceinline__ void mask_fragments(float (&S)[kMTiles][kNTiles][4], 
                     const int row = row0 + f.row(mt, h), col = col0 + f.col(nt, e);
                     const int query = kTransposed ? col : row, key = kTransposed ? row : col;
                     if (key >= params.seqlen_k || (kIsLocal && key > query + params.band_last))
-                        S[mt][nt][2 * h + e] = neg_inf<float>();
+                        S[mt][nt][2 * h + e] = neg_inf<T>();
                 }
     // The forward skips the left pass when the band has no left edge (causal); in the dK/dV kernel
     // (kTransposed) the test itself costs the d256 H100 tile spills.
@@ -285,16 +282,18 @@ __device__ __forceinline__ void mask_fragments(float (&S)[kMTiles][kNTiles][4], 
                 for (int e = 0; e < 2; ++e) {
                     const int row = row0 + f.row(mt, h), col = col0 + f.col(nt, e);
                     const int query = kTransposed ? col : row, key = kTransposed ? row : col;
-                    if (key < query + params.band_first) S[mt][nt][2 * h + e] = neg_inf<float>();
+                    if (key < query + params.band_first) S[mt][nt][2 * h + e] = neg_inf<T>();
                 }
 }
 
 // S = mod(scale_log2 · S) for a tile of queries from row0 and keys from col0 (the forward's S_ij):
-// the softcapped, ALiBi-biased scores in log2 units (ScoreMod).
-template <bool kSoftcap, int kMTiles, int kNTiles>
-__device__ __forceinline__ void score_mod_fragments(float (&S)[kMTiles][kNTiles][4], const ScoreMod<float>& mod,
-                                                    float scale_log2, int row0, int col0, const Fragment& f) {
-    const float offset0 = mod.offset(row0 + f.row(0, 0), col0 + f.col(0, 0));
+// the softcapped, ALiBi-biased scores in log2 units (ScoreMod). float64 takes the accurate tanh
+// (tanh_fast is a float32 approximation).
+template <bool kSoftcap, typename T, int kMTiles, int kNTiles>
+__device__ __forceinline__ void score_mod_fragments(T (&S)[kMTiles][kNTiles][4], const ScoreMod<T>& mod,
+                                                    T scale_log2, int row0, int col0, const Fragment& f) {
+    constexpr Tanh kTanh = sizeof(T) == 8 ? Tanh::kAccurate : Tanh::kFast;
+    const T offset0 = mod.offset(row0 + f.row(0, 0), col0 + f.col(0, 0));
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -303,9 +302,9 @@ __device__ __forceinline__ void score_mod_fragments(float (&S)[kMTiles][kNTiles]
             for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    float dx;
-                    const float distance = fabsf(offset0 + static_cast<float>(16 * mt + 8 * h - 8 * nt - e));
-                    S[mt][nt][2 * h + e] = mod.apply_at<Tanh::kFast, kSoftcap>(S[mt][nt][2 * h + e] * scale_log2, distance, dx);
+                    T dx;
+                    const T distance = abs_(offset0 + static_cast<T>(16 * mt + 8 * h - 8 * nt - e));
+                    S[mt][nt][2 * h + e] = mod.template apply_at<kTanh, kSoftcap>(S[mt][nt][2 * h + e] * scale_log2, distance, dx);
                 }
 }
 
@@ -340,10 +339,10 @@ __device__ __forceinline__ void for_dropped(const Dropout& dropout, int row0, in
 // Writes scale · C to a [rows][cols] global tile (row_stride apart, columns contiguous) in the
 // element type; rows >= rows_valid and columns >= cols_valid are padding and are skipped. Pairs of
 // columns go out as one 32-bit store where alignment allows.
-template <typename Element, int kMTiles, int kNTiles>
+template <typename Element, typename T, int kMTiles, int kNTiles>
 __device__ __forceinline__ void store_fragments(typename NumericTraits<Element>::Storage* g_tile, long long row_stride,
-                                                int rows_valid, int cols_valid, const float (&C)[kMTiles][kNTiles][4],
-                                                float scale, const Fragment& f) {
+                                                int rows_valid, int cols_valid, const T (&C)[kMTiles][kNTiles][4],
+                                                typename NonDeduced<T>::type scale, const Fragment& f) {
     using Numeric = NumericTraits<Element>;
     constexpr unsigned kSize = sizeof(typename Numeric::Storage);
     const bool paired = ((reinterpret_cast<unsigned long long>(g_tile) |
@@ -357,10 +356,12 @@ __device__ __forceinline__ void store_fragments(typename NumericTraits<Element>:
 #pragma unroll
             for (int nt = 0; nt < kNTiles; ++nt) {
                 const int col = f.col(nt, 0);
-                const float x0 = C[mt][nt][2 * h] * scale, x1 = C[mt][nt][2 * h + 1] * scale;
+                const T x0 = C[mt][nt][2 * h] * scale, x1 = C[mt][nt][2 * h + 1] * scale;
                 auto* p = g_tile + row * row_stride + col;
                 if (paired && col + 1 < cols_valid) {
-                    if constexpr (kSize == 4)
+                    if constexpr (kSize == 8)
+                        *reinterpret_cast<double2*>(p) = make_double2(x0, x1);
+                    else if constexpr (kSize == 4)
                         *reinterpret_cast<float2*>(p) = make_float2(x0, x1);
                     else
                         *reinterpret_cast<unsigned*>(p) = Mma<Element>::pack(x0, x1);
@@ -426,30 +427,30 @@ __device__ __forceinline__ float reciprocal_of_row_sum(float l) {
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(l));
     return fmaf(r, fmaf(-l, r, 1.f), r);
 }
+__device__ __forceinline__ double reciprocal_of_row_sum(double l) { return 1.0 / l; }
 
 // The epilogue's first part: O_i / l_i (times out_scale with kRescale) in place, and lse_i written.
 // Every row's sum, reciprocal and log come first (the log in every lane, with no branch), so that
 // their dependent chains overlap rather than run row after row: written row by row, with a branch
 // around each, they took most of the warp-specialised forward's epilogue.
-template <typename Kt, bool kRescale = false>
-__device__ __forceinline__ void normalize_rows(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
-                                               const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
+template <typename Kt, bool kRescale = false, typename T = typename Kt::Accum>
+__device__ __forceinline__ void normalize_rows(const FwdParams& params, T (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
+                                               const T (&m)[Kt::kMTiles][2], const T (&l)[Kt::kMTiles][2],
                                                int batch_idx, int head_idx, int warp_row0, const Fragment& f,
-                                               float out_scale = 1.f) {
-    float* lse = static_cast<float*>(params.lse) + batch_idx * params.lse_batch_stride +
-                 head_idx * params.lse_head_stride;
-    float inv_l[Kt::kMTiles][2], lse_row[Kt::kMTiles][2];
+                                               typename NonDeduced<T>::type out_scale = 1) {
+    T* lse = static_cast<T*>(params.lse) + batch_idx * params.lse_batch_stride + head_idx * params.lse_head_stride;
+    T inv_l[Kt::kMTiles][2], lse_row[Kt::kMTiles][2];
 #pragma unroll
     for (int mt = 0; mt < Kt::kMTiles; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float l_row = quad_sum(l[mt][h]);
-            inv_l[mt][h] = l_row > 0.f ? (kRescale ? out_scale / l_row : reciprocal_of_row_sum(l_row)) : 0.f;
+            const T l_row = quad_sum(l[mt][h]);
+            inv_l[mt][h] = l_row > T(0) ? (kRescale ? out_scale / l_row : reciprocal_of_row_sum(l_row)) : T(0);
             // In float (one rounding more than the scalar kernel's double form: an ulp of lse, far
             // below the 16-bit rounding of the P_ij that the backward rebuilds from it). A row with
             // no key (l = 0) gets -inf from log(0) whatever its m: no select, which the compiler
             // turned into a branch around the log.
-            lse_row[mt][h] = fmaf(m[mt][h], static_cast<float>(kLn2), logf(l_row));
+            lse_row[mt][h] = fma_(m[mt][h], static_cast<T>(kLn2), log_(l_row));
         }
 #pragma unroll
     for (int mt = 0; mt < Kt::kMTiles; ++mt)
@@ -470,11 +471,11 @@ __device__ __forceinline__ void normalize_rows(const FwdParams& params, float (&
 // kRescale: O_i times out_scale too (dropout's 1 / (1 - p)), as the scalar epilogue.
 // Hopper (Kt::kWgmma): O_i goes out through the Q_i tile sQ (store_rows_staged), which no warp
 // reads any more once every warp has passed the last step's barrier.
-template <typename Kt, bool kRescale = false>
-__device__ __forceinline__ void epilogue_tc(const FwdParams& params, float (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
-                                         const float (&m)[Kt::kMTiles][2], const float (&l)[Kt::kMTiles][2],
+template <typename Kt, bool kRescale = false, typename T = typename Kt::Accum>
+__device__ __forceinline__ void epilogue_tc(const FwdParams& params, T (&O)[Kt::kMTiles][Kt::kHeadDim / 8][4],
+                                         const T (&m)[Kt::kMTiles][2], const T (&l)[Kt::kMTiles][2],
                                          int batch_idx, int head_idx, int warp_row0, const Fragment& f,
-                                         float out_scale = 1.f, unsigned sQ = 0) {
+                                         typename NonDeduced<T>::type out_scale = 1, unsigned sQ = 0) {
     normalize_rows<Kt, kRescale>(params, O, m, l, batch_idx, head_idx, warp_row0, f, out_scale);
     typename Kt::Storage* o = static_cast<typename Kt::Storage*>(params.o) + batch_idx * params.o_batch_stride +
                               head_idx * params.o_head_stride + warp_row0 * params.o_row_stride;

@@ -16,20 +16,23 @@ __host__ __device__ constexpr int largest_divisor_at_most(int n, int cap) {
 // What every tensor-core kernel's tiles share: the element type and the padded shared-memory rows
 // of [rows][head dim] tiles. 16-bit elements take mma.sync.m16n8k16 (Mma); float32 elements, as
 // Tf32 tags, TF32 products on m16n8k8, whose fragments come from the same ldmatrix lane addresses
-// over 32-byte k-steps (arch/sm80.cuh).
+// over 32-byte k-steps; float64 elements DMMA k16 steps, read with 16-byte shared loads
+// (arch/sm80.cuh).
 template <typename Element_, int kHeadDim_, int kNWarps_>
 struct TcTileLayout {
     using Element = Element_;
     using Numeric = NumericTraits<Element>;
     using Storage = typename Numeric::Storage;
-    using Accum = float;
+    using Accum = typename Numeric::Accum;  // float, or double for float64
     using Op = Mma<Element>;
     static constexpr bool kTf32 = sizeof(Storage) == 4;  // Element is a Tf32 tag
+    static constexpr bool kF64 = sizeof(Storage) == 8;
 
     static constexpr int kHeadDim = kHeadDim_;  // padded head dim d; columns >= head_dim are zero
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kNThreads = kNWarps * 32;
-    static constexpr int kKStep = 32 / sizeof(Storage);  // elements of a k-step: k16 (16-bit), k8 (tf32)
+    // Elements of a k-step: k16 (16-bit), k8 (tf32), k16 (float64)
+    static constexpr int kKStep = kF64 ? 16 : 32 / sizeof(Storage);
     static constexpr int kKSteps = kHeadDim / kKStep;  // k-steps of a product over the head dim
 
     // Shared-memory rows are padded by 16 bytes: a row is then an odd number of 16-byte chunks,
@@ -50,7 +53,7 @@ struct TcTileLayout {
     // Where the tiles start in the block's shared memory (byte address): at its start.
     static __device__ __forceinline__ unsigned tile_base(unsigned smem) { return smem; }
 
-    static_assert(sizeof(Storage) == 2 || sizeof(Storage) == 4, "tensor-core kernels take 16-bit or float32 elements");
+    static_assert(sizeof(Storage) != 1, "tensor-core kernels take 16-bit, float32 or float64 elements");
     static_assert(kHeadDim % 16 == 0, "the head dim is padded to a multiple of the k16 step");
 };
 
