@@ -260,7 +260,7 @@ def test_float32_precision_is_set_for_the_process_or_a_block_and_checked():
         text = str(cupyflash.explain(q, q, q, compute_capability=80))
         return text[text.index("forward:"):text.index("tile (")]
 
-    assert cupyflash.get_float32_precision() == "high" and "Tf32<3>" in forward_line()
+    assert cupyflash.get_float32_precision() == "highest" and forward_line().startswith("forward: scalar")
     with cupyflash.float32_precision("medium"):
         assert cupyflash.get_float32_precision() == "medium" and "Tf32<1>" in forward_line()
         with cupyflash.float32_precision("highest"):
@@ -268,20 +268,20 @@ def test_float32_precision_is_set_for_the_process_or_a_block_and_checked():
             assert "float32 at precision 'highest' computes on CUDA cores" in str(
                 cupyflash.explain(q, q, q, compute_capability=80))
         assert cupyflash.get_float32_precision() == "medium"
-    assert cupyflash.get_float32_precision() == "high"
+    assert cupyflash.get_float32_precision() == "highest"
     try:
-        cupyflash.set_float32_precision("highest")
-        assert cupyflash.get_float32_precision() == "highest" and forward_line().startswith("forward: scalar")
-        with cupyflash.float32_precision("high"):  # a block keeps its own
-            assert "Tf32<3>" in forward_line()
-    finally:
         cupyflash.set_float32_precision("high")
+        assert cupyflash.get_float32_precision() == "high" and "Tf32<3>" in forward_line()
+        with cupyflash.float32_precision("highest"):  # a block keeps its own
+            assert forward_line().startswith("forward: scalar")
+    finally:
+        cupyflash.set_float32_precision("highest")
     for bad in ("tf32", "HIGH", None, 3):
         with pytest.raises(ValueError, match="precision must be one of 'highest', 'high', 'medium'"):
             cupyflash.set_float32_precision(bad)
         with pytest.raises(ValueError, match="precision must be one of"):
             cupyflash.float32_precision(bad).__enter__()
-    assert cupyflash.get_float32_precision() == "high"
+    assert cupyflash.get_float32_precision() == "highest"
     assert Policy.from_environment({"CUPYFLASH_FLOAT32_PRECISION": "medium"}).float32_precision == "medium"
     with pytest.raises(ValueError, match="CUPYFLASH_FLOAT32_PRECISION must be one of"):
         Policy.from_environment({"CUPYFLASH_FLOAT32_PRECISION": "fast"})
@@ -300,8 +300,9 @@ def test_explain_reports_every_family():
     assert "backward dK/dV: sm90-ws" in text and "backward dQ: float32 atomic adds" in text
     for family in catalog.FAMILIES:
         assert text.count(f"    {family} ") == 2
-    text = str(cupyflash.explain(q[..., :40].astype("float32"), q[..., :40].astype("float32"),
-                                 q[..., :40].astype("float32"), deterministic=True, compute_capability=80))
+    x = q[..., :40].astype("float32")
+    with cupyflash.float32_precision("high"):
+        text = str(cupyflash.explain(x, x, x, deterministic=True, compute_capability=80))
     assert "forward: sm80" in text and "TcFwdTraits<cupyflash::Tf32<3>, 64" in text  # 3xTF32
     assert "take float16 or bfloat16, not float32" in text  # (the backward's families)
     assert "the deterministic kernel cupyflash::flash_bwd_dq_kernel" in text

@@ -59,15 +59,15 @@ def test_16_bit_dtypes_take_the_tensor_core_kernels(rng, launched, dtype):
         fwd = "WgmmaFwdKernel" if current().hopper_forward and sm_90 else "TcFwdKernel"
         dkdv = "WgmmaBwdDkdvKernel" if current().hopper_backward and sm_90 else "TcBwdDkdvKernel"
         assert tiled == [fwd, dkdv, dkdv, "TcBwdDqKernel"]
-    elif dtype == "float32":  # the forward as 3xTF32 (float32 accuracy), the backward on CUDA cores
-        assert tiled == ["TcFwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
-        assert launched[0].element_type == "cupyflash::Tf32<3>"
+    elif dtype == "float32":  # on CUDA cores at the default precision, "highest"
+        assert tiled == ["FwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
     else:  # float64's forward on the FP64 tensor cores, the backward on CUDA cores
         assert tiled == ["TcFwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
         assert launched[0].element_type == "double"
 
 
-@pytest.mark.parametrize("precision,kernel", [("highest", "FwdKernel"), ("medium", "cupyflash::Tf32<1>")])
+@pytest.mark.parametrize("precision,kernel",
+                         [("highest", "FwdKernel"), ("high", "cupyflash::Tf32<3>"), ("medium", "cupyflash::Tf32<1>")])
 def test_float32_precision_picks_the_forward(rng, launched, precision, kernel):
     import cupy
 
@@ -85,7 +85,8 @@ def test_float32_forward_on_3xtf32_meets_the_float32_rule(rng, nan_outputs, caus
     import cupy
 
     q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float32", 2, 257, 3001, 3, head_dim))
-    out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True, scale=1.0 / 8)
+    with cupyflash.float32_precision("high"):
+        out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True, scale=1.0 / 8)
     assert_matches_reference(q, k, v, out, lse, "float32", causal, scale=1.0 / 8)
 
 

@@ -96,10 +96,11 @@ def attention(
     in float32 and the softmax is float32, with P rounded to the input dtype before P V, as in
     FlashAttention-2 (GPUs older than sm_80 take the scalar kernels, all float32). float64 computes
     in float64: its forward on the FP64 tensor cores (sm_80 and newer, head dims up to 128), the
-    rest on CUDA cores. float32's forward takes the tensor cores as 3xTF32 (three TF32
-    products a product, within float32's error) at head dims up to 128 on sm_80 and newer, and
-    float32 on CUDA cores otherwise; `cupyflash.set_float32_precision` picks "highest" (CUDA cores
-    always) or "medium" (one TF32 product: TF32's error, not float32's) instead.
+    rest on CUDA cores. float32 computes in float32 on CUDA cores ("highest");
+    `cupyflash.set_float32_precision` picks "high" (the forward on the tensor cores as 3xTF32,
+    three TF32 products a product: its results within float32's error, gradients taken from them
+    up to 1.3x past it) or "medium" (one TF32 product: TF32's error) at head dims up to 128 on
+    sm_80 and newer.
 
     Where it runs: GPU inputs on the device that holds them, on CuPy's current stream
     (``cupy.cuda.get_current_stream()``). Arrays imported through DLPack are ordered after their

@@ -15,8 +15,9 @@ causal and not. For each problem, on the same inputs (random normal, never zeros
      with Python's launch overhead hidden behind the GPU work, as in a training loop), the median
      of many batches, for
      cupyflash (the public attention / attention_backward on CuPy arrays; for float32 also at
-     precisions "highest" and "medium" beside the default "high", each checked as in 1. with its
-     errors in the CSV's check column, "medium" not held to the float32 rule), PyTorch SDPA's
+     precisions "high" (3xTF32) and "medium" (TF32) beside the default "highest", each checked as
+     in 1. with its errors in the CSV's check column, reported but not failing the run: neither
+     is held to the float32 rule), PyTorch SDPA's
      flash (FlashAttention-2), cuDNN and mem-efficient backends (and math for float32 and float64:
      flash and cuDNN take only 16-bit inputs), FlexAttention (with --flex; compiled once per
      shape), and standard CuPy attention (its backward time is forward+backward minus forward;
@@ -238,13 +239,11 @@ def main(argv=None) -> int:
         }
         checks = {"cupyflash": ("PASS " if ok else "FAIL ") + message}
         if pr.dtype == "float32":  # float32's other precisions (cupyflash.set_float32_precision)
-            for precision in ("highest", "medium"):
+            for precision in ("high", "medium"):
                 with cupyflash.float32_precision(precision):
                     out_p, lse_p = cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True)
                     grads_p = cupyflash.attention_backward(dout, q, k, v, out_p, lse_p, causal=pr.causal)
                     ok_p, message_p = check(pr, q, k, v, dout, out_p, grads_p, peers)
-                    if precision == "highest" and not ok_p:  # "medium" is not held to float32's rule
-                        failures.append(f"{pr} at {precision}: {message_p}")
                     checks[f"cupyflash-{precision}"] = ("PASS " if ok_p else "over ") + message_p
                     del out_p, lse_p, grads_p
                     timings[f"cupyflash-{precision}"] = (
