@@ -61,8 +61,8 @@ def test_16_bit_dtypes_take_the_tensor_core_kernels(rng, launched, dtype):
         assert tiled == [fwd, dkdv, dkdv, "TcBwdDqKernel"]
     elif dtype == "float32":  # on CUDA cores at the default precision, "highest"
         assert tiled == ["FwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
-    else:  # float64's forward on the FP64 tensor cores, the backward on CUDA cores
-        assert tiled == ["TcFwdKernel", "BwdDkdvKernel", "BwdDkdvKernel", "BwdDqKernel"]
+    else:  # float64 on the FP64 tensor cores, the deterministic dQ kernel on CUDA cores
+        assert tiled == ["TcFwdKernel", "TcBwdDkdvKernel", "TcBwdDkdvKernel", "BwdDqKernel"]
         assert launched[0].element_type == "double"
 
 
@@ -219,6 +219,26 @@ def test_dkdv_tiles_for_both_shared_memory_sizes(rng, monkeypatch, dtype, head_d
     smem = info.smem_per_block if large_smem else tiles.SMEM_A100
     monkeypatch.setattr(devices, "info", lambda device_id: dataclasses.replace(info, smem_per_block=smem))
     check_forward_backward(rng, dtype, (2, 300, 333, 2, head_dim), causal, False, MMA_SYNC)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("large_smem", [False, True])
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 96, 128])
+def test_float64_dkdv_on_dmma_for_both_shared_memory_sizes(rng, monkeypatch, launched, head_dim, large_smem, causal,
+                                                           deterministic):
+    """float64's dK/dV kernel on the FP64 tensor cores: every tile of its table (an A100's shared
+    memory to d64, where above it the CUDA-core kernel serves), dQ by atomics or deterministic."""
+    import cupy
+
+    info = devices.info(cupy.cuda.Device().id)
+    if large_smem and info.smem_per_block < tiles.SMEM_H100:
+        pytest.skip("this GPU has less shared memory per block than an H100")
+    smem = info.smem_per_block if large_smem else tiles.SMEM_A100
+    monkeypatch.setattr(devices, "info", lambda device_id: dataclasses.replace(info, smem_per_block=smem))
+    check_forward_backward(rng, "float64", (2, 300, 333, 2, head_dim), causal, deterministic, None)
+    dkdv = [type(kn).__name__ for kn in launched if "Dkdv" in type(kn).__name__]
+    assert dkdv == ["TcBwdDkdvKernel" if large_smem or head_dim <= 64 else "BwdDkdvKernel"]
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)

@@ -95,8 +95,8 @@ def attention(
     Precision: float16/bfloat16 run on tensor cores (sm_80 and newer): every product accumulates
     in float32 and the softmax is float32, with P rounded to the input dtype before P V, as in
     FlashAttention-2 (GPUs older than sm_80 take the scalar kernels, all float32). float64 computes
-    in float64: its forward on the FP64 tensor cores (sm_80 and newer, head dims up to 128), the
-    rest on CUDA cores. float32 computes in float32 on CUDA cores ("highest");
+    in float64: its forward and dK/dV on the FP64 tensor cores (sm_80 and newer, head dims up to
+    128), the rest on CUDA cores. float32 computes in float32 on CUDA cores ("highest");
     `cupyflash.set_float32_precision` picks "high" (the forward on the tensor cores as 3xTF32,
     three TF32 products a product: its results within float32's error, gradients taken from them
     up to 1.3x past it) or "medium" (one TF32 product: TF32's error) at head dims up to 128 on
@@ -213,7 +213,8 @@ def attention_backward(
     Precision: every product accumulates in float32 for 16-bit and float32 inputs, float64 for
     float64; each gradient is rounded once to the input dtype. On tensor cores (16-bit inputs,
     sm_80+) P and dS are rounded to the input dtype before they enter a product, as in
-    FlashAttention-2.
+    FlashAttention-2; float64's dK/dV kernel runs on the FP64 tensor cores (head dims up to 128),
+    its products rounded as float64.
 
     Where it runs, and what raises, as for `attention`: TypeError/ValueError before any device
     work for bad arguments (dout/out not of q's shape and dtype, lse not of shape

@@ -114,6 +114,14 @@ def dkdv_kernel(family: str, dtype_name: str, head_dim: int, variant: Variant = 
     fields = dict(block_sparse=v.block_sparse, score_mod=v.score_mod, varlen=v.varlen)
     if family == "scalar":
         return BwdDkdvKernel(dtype_name, d, v.local, **fields)
+    if family == "sm80" and dtype_name in tiles.F64_FORWARD_DTYPES:
+        if d > tiles.F64_MAX_HEAD_DIM:
+            raise Unavailable(f"float64 builds at head dims up to {tiles.F64_MAX_HEAD_DIM} only, not {d}")
+        if d > 64 and not large_smem:
+            raise Unavailable("float64 builds above head dim 64 need an H100's shared memory")
+        if d > 64 and v.varlen:
+            raise Unavailable("no float64 variable-length build above head dim 64 (its registers spill)")
+        return TcBwdDkdvKernel(dtype_name, d, v.local, large_smem=large_smem, **fields)
     if dtype_name not in tiles.TENSOR_CORE_DTYPES:
         raise Unavailable(f"the tensor-core kernels take float16 or bfloat16, not {dtype_name}")
     if family == "sm80":
@@ -168,14 +176,21 @@ def decode_kernel(dtype_name: str, head_dim: int, tensor_cores: bool = False, sc
     return kind(dtype_name, tiles.padded_head_dim(head_dim), score_mod)
 
 
-def _wide_forward_kernels(dtype_name: str, head_dim: int, variant: Variant) -> list:
-    """The sm80 forward's instantiations of a float32 problem (one per TF32 precision) or a float64
-    one (DMMA); none for other dtypes or past their largest head dim."""
+def _wide_kernels(dtype_name: str, head_dim: int, variant: Variant) -> list:
+    """The sm80 instantiations of a float32 problem (the forward, one per TF32 precision) or a
+    float64 one (DMMA: the forward, and the dK/dV kernel for either shared-memory size); none for
+    other dtypes or past their largest head dim."""
     d = tiles.padded_head_dim(head_dim)
     if dtype_name in tiles.TF32_FORWARD_DTYPES and d <= tiles.TF32_MAX_HEAD_DIM:
         return [forward_kernel("sm80", dtype_name, head_dim, variant, precision) for precision in tiles.TF32_PASSES]
     if dtype_name in tiles.F64_FORWARD_DTYPES and d <= tiles.F64_MAX_HEAD_DIM:
-        return [forward_kernel("sm80", dtype_name, head_dim, variant)]
+        kernels = [forward_kernel("sm80", dtype_name, head_dim, variant)]
+        for large in (False, True):
+            try:
+                kernels.append(dkdv_kernel("sm80", dtype_name, head_dim, variant, large))
+            except Unavailable:
+                pass
+        return kernels
     return []
 
 
@@ -195,7 +210,7 @@ def block_mask_granularity(dtype_name: str, head_dim: int) -> tuple[int, int]:
                     kernels.append(make(family, dtype_name, head_dim, v))
                 except Unavailable:
                     pass
-        kernels += _wide_forward_kernels(dtype_name, head_dim, v)
+        kernels += _wide_kernels(dtype_name, head_dim, v)
         if dtype_name in tiles.TENSOR_CORE_DTYPES:
             kernels.append(dkdv_kernel("sm80", dtype_name, head_dim, v, large_smem=True))
         kernels.append(dq_kernel(dtype_name in tiles.TENSOR_CORE_DTYPES, dtype_name, head_dim, v))
@@ -216,7 +231,7 @@ def _attention_kernels() -> list:
             for v in _variants():
                 kernels += [forward_kernel("scalar", dtype_name, d, v), dkdv_kernel("scalar", dtype_name, d, v),
                             dq_kernel(False, dtype_name, d, v)]
-                kernels += _wide_forward_kernels(dtype_name, d, v)
+                kernels += _wide_kernels(dtype_name, d, v)
                 if not tensor_cores:
                     continue
                 kernels += [forward_kernel("sm80", dtype_name, d, v), dq_kernel(True, dtype_name, d, v)]

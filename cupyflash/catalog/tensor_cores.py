@@ -87,8 +87,9 @@ class TcBwdDkdvKernel(TcKernel):
 
     @functools.cached_property
     def tile(self) -> tiles.TcDkdvTileShape:
-        return self.tile_override or tiles.tc_dkdv_tile_shape(self.head_dim, self.large_smem, self.block_sparse,
-                                                              self.score_mod, self.varlen)
+        table = tiles.f64_dkdv_tile_shape if self.dtype_name in tiles.F64_FORWARD_DTYPES else tiles.tc_dkdv_tile_shape
+        return self.tile_override or table(self.head_dim, self.large_smem, self.block_sparse, self.score_mod,
+                                           self.varlen)
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and other.name_expression == self.name_expression
@@ -102,7 +103,9 @@ class TcBwdDkdvKernel(TcKernel):
         # 2 x (lse_i, D_i).
         t = self.tile
         rows = 2 * t.block_n + (2 + t.do_buffers) * t.block_m
-        return _tc_tile_bytes(rows, self.head_dim) + 2 * _tc_tile_bytes(t.block_n, t.block_m) + 2 * 2 * t.block_m * 4
+        size = tiles.accum_itemsize(self.dtype_name) if self.dtype_name in tiles.F64_FORWARD_DTYPES else 2
+        return (_tc_tile_bytes(rows, self.head_dim, size) + 2 * _tc_tile_bytes(t.block_n, t.block_m, size)
+                + 2 * 2 * t.block_m * tiles.accum_itemsize(self.dtype_name))
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_k / self.tile.block_n) * self.tile.out_split, heads, batch)

@@ -28,8 +28,9 @@ DTYPE_NAMES = tuple(ELEMENT_TYPES)
 # and float32's forward also on sm80/'s mma.sync kernel as TF32 products (TF32_FORWARD_DTYPES) at
 # head dims up to TF32_MAX_HEAD_DIM: above it, O's registers leave none for the key tile's own P V
 # accumulator (which float32 accuracy needs: sm80/gemm.cuh), and 12 of the 28 builds spill.
-# float64's forward runs on the same kernel's FP64 tensor-core (DMMA) products (F64_FORWARD_DTYPES)
-# at head dims up to F64_MAX_HEAD_DIM: a warp's 16 rows of O take 128 registers at d128.
+# float64's forward and dK/dV kernel run on the same kernels' FP64 tensor-core (DMMA) products
+# (F64_FORWARD_DTYPES) at head dims up to F64_MAX_HEAD_DIM: a warp's 16 rows of O take 128
+# registers at d128, as its 16 keys' dK and dV over half the head dim.
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 TF32_FORWARD_DTYPES = ("float32",)
 TF32_MAX_HEAD_DIM = 128
@@ -229,11 +230,27 @@ def tf32_fwd_tile_shape(padded: int, block_sparse: bool = False, local: bool = F
 def f64_fwd_tile_shape(padded: int, block_sparse: bool = False, local: bool = False, score_mod: bool = False,
                        varlen: bool = False) -> TcTileShape:
     """The float64 (DMMA) forward's tile: 16 query rows a warp (O alone takes 128 registers at d128),
-    and as many keys a step as fit beside O: 64 up to d64 (32 in the block-sparse builds, which keeps
-    float64's block masks at the CUDA-core kernels' 32-key granularity), 32 at d96, 16 at d128 (with
-    32, 40-128 bytes of spills at sm_90a)."""
-    block_n = 16 if padded > 96 else 32 if padded > 64 or block_sparse else 64
+    and as many keys a step as fit beside O: 64 up to d64, 32 at d96, 16 at d128 (with 32, 40-128
+    bytes of spills at sm_90a)."""
+    block_n = 16 if padded > 96 else 32 if padded > 64 else 64
     return TcTileShape(64, block_n, num_warps=4, min_blocks_per_sm=1)
+
+
+def f64_dkdv_tile_shape(padded: int, large_smem: bool = False, block_sparse: bool = False, score_mod: bool = False,
+                        varlen: bool = False) -> TcDkdvTileShape:
+    """The float64 (DMMA) dK/dV kernel's tile, 16 keys a warp. To d64: 64 keys, 32 queries a step,
+    8 warps in a 4 x 2 grid (each warp half the head dim's columns of dK and dV). Above it, only on
+    an H100's shared memory and not variable-length (families.dkdv_kernel): 64 keys, one warp a key
+    range, 16 queries a step, each block half the head dim's columns (out_split: dK and dV then take
+    128 registers a warp). The 2 x 2 grid of 32 keys by 32 queries, 1.35x faster at d128, spills
+    24-72 bytes there (sm_90a)."""
+    if padded <= 16:  # too narrow to split dK's and dV's columns between two warps
+        return TcDkdvTileShape(32, 64, num_warps=4, warps_q=1, do_buffers=2 if large_smem else 1, out_split=1,
+                               min_blocks_per_sm=1)
+    if padded <= 64:
+        return TcDkdvTileShape(32, 64, num_warps=8, warps_q=2, do_buffers=2 if large_smem else 1, out_split=1,
+                               min_blocks_per_sm=1)
+    return TcDkdvTileShape(16, 64, num_warps=4, warps_q=1, do_buffers=2, out_split=2, min_blocks_per_sm=1)
 
 
 def tc_dkdv_tile_shape(padded: int, large_smem: bool = False, block_sparse: bool = False, score_mod: bool = False,

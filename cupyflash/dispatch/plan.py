@@ -300,7 +300,8 @@ def decide_backward(p: AttentionProblem, device: devices.DeviceInfo, policy: pol
         lambda family: dkdv_kernel(family, p.dtype_name, p.head_dim, _variant(p), large_smem and family == "sm80"),
         verdict)
     if p.deterministic:
-        tensor_cores = kernels[-1].family != "scalar"
+        # (float64's dK/dV kernel on the tensor cores goes with the CUDA-core dQ kernel)
+        tensor_cores = kernels[-1].family != "scalar" and p.dtype_name in tiles.TENSOR_CORE_DTYPES
         dq = dq_kernel(tensor_cores, p.dtype_name, p.head_dim, _variant(p))
         if _fits(dq, device):
             raise _no_kernel(p, device, [Choice("scalar", dq, False, _fits(dq, device))])

@@ -59,6 +59,9 @@ __device__ __forceinline__ unsigned load_shared_4(unsigned src) {
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x) : "r"(src) : "memory");
     return x;
 }
+__device__ __forceinline__ void store_shared_f64x2(unsigned dst, double x, double y) {
+    asm volatile("st.shared.v2.f64 [%0], {%1, %2};\n" ::"r"(dst), "d"(x), "d"(y) : "memory");
+}
 __device__ __forceinline__ double load_shared_f64(unsigned src) {
     double x;
     asm volatile("ld.shared.f64 %0, [%1];\n" : "=d"(x) : "r"(src) : "memory");

@@ -118,6 +118,10 @@ __device__ __forceinline__ float tanh_fast(float x) {
     return fabsf(x) < 0.55f ? near_zero : wide;
 }
 
+// The type kCondition picks (std::conditional, which NVRTC's headerless builds do not have).
+template <bool kCondition, typename A, typename B> struct Conditional { using type = A; };
+template <typename A, typename B> struct Conditional<false, A, B> { using type = B; };
+
 // A compile-time bool as a type, for generic lambdas instantiated on a runtime-uniform flag.
 template <bool kValue> struct BoolConstant { static constexpr bool value = kValue; };
 

@@ -1,5 +1,7 @@
-// Attention backward on tensor cores with mma.sync (float16 / bfloat16, sm_80 and newer):
-// FlashAttention-2, Algorithm 2, with float32 accumulation. Same schedule as the scalar
+// Attention backward on tensor cores with mma.sync (float16 / bfloat16, sm_80 and newer; the dK/dV
+// kernel also float64 on the FP64 tensor cores, sm80/gemm.cuh's DMMA products, where P^T and dS^T
+// stay unrounded): FlashAttention-2, Algorithm 2, with float32 accumulation (float64 for float64).
+// Same schedule as the scalar
 // scalar/bwd.cu, whose row passes (rows/bwd_rows.cu) it shares:
 //   flash_bwd_dkdv_sm80_kernel: one block per key block; its warps form a keys x queries grid
 //     (TcBwdDkdvTraits), so S_ij^T = K_j Q_i^T, P^T = exp2(S^T·scale·log2(e) - lse_i),
@@ -20,44 +22,55 @@ namespace cupyflash {
 // C += A^T B over the queries of the other warps in this warp's row of the grid: dV_j += P^T dO_i
 // or dK_j += dS^T Q_i, with A^T the [keys][queries] tile those warps wrote (sAt_warp: at this
 // warp's first key) and B = dO_i or Q_i (sB: its tile).
-template <typename Bt, int kNTiles>
-__device__ __forceinline__ void mma_other_queries(float (&C)[Bt::kMTiles][kNTiles][4], unsigned sAt_warp, unsigned sB,
+template <typename Bt, int kNTiles, typename T>
+__device__ __forceinline__ void mma_other_queries(T (&C)[Bt::kMTiles][kNTiles][4], unsigned sAt_warp, unsigned sB,
                                                   int wq, int warp_cols, int lane) {
+    constexpr int kSize = Bt::kSize;
 #pragma unroll
     for (int other = 1; other < Bt::kWarpsQ; ++other) {
         const int queries = (wq + other) % Bt::kWarpsQ * Bt::kWarpQueries;
-        gemm_ab_ss<typename Bt::Op, false, Bt::kMTiles, kNTiles, Bt::kWarpQueries / 16, Bt::kPStride, Bt::kStride>(
-            C, sAt_warp + queries * 2, sB + (queries * Bt::kStride + warp_cols) * 2, lane);
+        if constexpr (Bt::kF64)
+            gemm_ab_ss_f64<typename Bt::Op, false, Bt::kMTiles, kNTiles, Bt::kWarpQueries / 16, Bt::kPStride, Bt::kStride>(
+                C, sAt_warp + queries * kSize, sB + (queries * Bt::kStride + warp_cols) * kSize, Fragment(lane));
+        else
+            gemm_ab_ss<typename Bt::Op, false, Bt::kMTiles, kNTiles, Bt::kWarpQueries / 16, Bt::kPStride, Bt::kStride>(
+                C, sAt_warp + queries * kSize, sB + (queries * Bt::kStride + warp_cols) * kSize, lane);
     }
 }
 
 // dQ_i += scale · dS_ij K_j (atomic mode; kRescale: times dropout's 1 / (1 - p)) from dS^T in
 // shared memory: this warp's share of the
 // kBlockM x kHeadDimOut tile (TcBwdDkdvTraits::kDqWarpsM x kDqWarpsN), added to the float32
-// workspace with atomics, kDqChunk columns at a time (a whole row slice of dQ_i would sit in
-// registers beside dK_j and dV_j).
+// (float64) workspace with atomics, kDqChunk columns at a time (a whole row slice of dQ_i would sit
+// in registers beside dK_j and dV_j).
 template <typename Bt, bool kRescale = false>
 __device__ __forceinline__ void add_dq_share(const BwdParams& params, unsigned sdSt, unsigned sK, int q_row0,
                                              int col_out0, int batch_idx, int head_idx, int warp, int lane) {
+    using Accum = typename Bt::Accum;
+    constexpr int kSize = Bt::kSize;
     const int wm = warp % Bt::kDqWarpsM, wn = warp / Bt::kDqWarpsM;
     if (wn >= Bt::kDqWarpsN) return;
     const int dq_row0 = q_row0 + wm * Bt::kDqMTiles * 16, dq_col0 = col_out0 + wn * Bt::kDqCols;
     const long long dq_row_stride = static_cast<long long>(params.heads) * params.head_dim;
-    float* dq_accum = static_cast<float*>(params.dq_accum) + dq_accum_offset(params, batch_idx, dq_row0, head_idx) +
+    Accum* dq_accum = static_cast<Accum*>(params.dq_accum) + dq_accum_offset(params, batch_idx, dq_row0, head_idx) +
                       dq_col0;
     constexpr int kChunk = Bt::kDqChunk;
 #pragma unroll 1
     for (int c = 0; c < Bt::kDqCols; c += kChunk) {
-        float dQ[Bt::kDqMTiles][kChunk / 8][4];
+        Accum dQ[Bt::kDqMTiles][kChunk / 8][4];
         zero(dQ);
-        gemm_ab_ss<typename Bt::Op, true, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kPStride, Bt::kStride>(
-            dQ, sdSt + wm * Bt::kDqMTiles * 16 * 2, sK + (dq_col0 + c) * 2, lane);
+        if constexpr (Bt::kF64)
+            gemm_ab_ss_f64<typename Bt::Op, true, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kPStride, Bt::kStride>(
+                dQ, sdSt + wm * Bt::kDqMTiles * 16 * kSize, sK + (dq_col0 + c) * kSize, Fragment(lane));
+        else
+            gemm_ab_ss<typename Bt::Op, true, Bt::kDqMTiles, kChunk / 8, Bt::kBlockN / 16, Bt::kPStride, Bt::kStride>(
+                dQ, sdSt + wm * Bt::kDqMTiles * 16 * kSize, sK + (dq_col0 + c) * kSize, lane);
         if constexpr (kRescale)
             atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c,
-                                 dQ, static_cast<float>(params.scale * params.dropout_rescale), Fragment(lane));
+                                 dQ, static_cast<Accum>(params.scale * params.dropout_rescale), Fragment(lane));
         else
             atomic_add_fragments(dq_accum + c, dq_row_stride, params.seqlen_q - dq_row0, params.head_dim - dq_col0 - c,
-                                 dQ, static_cast<float>(params.scale), Fragment(lane));
+                                 dQ, static_cast<Accum>(params.scale), Fragment(lane));
     }
 }
 
@@ -71,19 +84,20 @@ template <typename Bt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = fals
 __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     flash_bwd_dkdv_sm80_kernel(const BwdParams launch_params) {
     using Storage = typename Bt::Storage;
+    using Accum = typename Bt::Accum;
     using Op = typename Bt::Op;
-    constexpr int kStride = Bt::kStride, kPStride = Bt::kPStride;
+    constexpr int kStride = Bt::kStride, kPStride = Bt::kPStride, kSize = Bt::kSize;
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned tiles = Bt::tile_base(smem_address(smem));
     unsigned char* const smem_tiles = smem + (tiles - smem_address(smem));
-    const unsigned sK = tiles + Bt::kSmemKOffset * 2;     // K_j [kBlockN][kStride]
-    const unsigned sV = tiles + Bt::kSmemVOffset * 2;     // V_j [kBlockN][kStride]
-    const unsigned sQ = tiles + Bt::kSmemQOffset * 2;     // Q_i [2][kBlockM][kStride]
-    const unsigned sdO = tiles + Bt::kSmemDoOffset * 2;   // dO_i [kBlockM][kStride]
-    const unsigned sPt = tiles + Bt::kSmemPOffset * 2;    // P_ij^T [kBlockN][kPStride]
-    const unsigned sdSt = tiles + Bt::kSmemDsOffset * 2;  // dS_ij^T [kBlockN][kPStride]
-    float* sLse2 = reinterpret_cast<float*>(smem_tiles + Bt::kSmemRowStatsOffset);  // [2][kBlockM]
-    float* sD = sLse2 + 2 * Bt::kBlockM;                                      // [2][kBlockM]
+    const unsigned sK = tiles + Bt::kSmemKOffset * kSize;     // K_j [kBlockN][kStride]
+    const unsigned sV = tiles + Bt::kSmemVOffset * kSize;     // V_j [kBlockN][kStride]
+    const unsigned sQ = tiles + Bt::kSmemQOffset * kSize;     // Q_i [2][kBlockM][kStride]
+    const unsigned sdO = tiles + Bt::kSmemDoOffset * kSize;   // dO_i [kBlockM][kStride]
+    const unsigned sPt = tiles + Bt::kSmemPOffset * kSize;    // P_ij^T [kBlockN][kPStride]
+    const unsigned sdSt = tiles + Bt::kSmemDsOffset * kSize;  // dS_ij^T [kBlockN][kPStride]
+    Accum* sLse2 = reinterpret_cast<Accum*>(smem_tiles + Bt::kSmemRowStatsOffset);  // [2][kBlockM]
+    Accum* sD = sLse2 + 2 * Bt::kBlockM;                                      // [2][kBlockM]
 
     const int kv_head = blockIdx.y, batch_idx = blockIdx.z;
     // The key blocks in index order (the mask's key_order unread): these builds sit at 254-255
@@ -112,16 +126,16 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     load_tile_async<Bt, Bt::kBlockN>(sK, k, params.k_row_stride, keys_valid, params.head_dim);
     load_tile_async<Bt, Bt::kBlockN>(sV, v, params.v_row_stride, keys_valid, params.head_dim);
 
-    float dV[Bt::kMTiles][Bt::kOutTiles][4], dK[Bt::kMTiles][Bt::kOutTiles][4];
+    Accum dV[Bt::kMTiles][Bt::kOutTiles][4], dK[Bt::kMTiles][Bt::kOutTiles][4];
     zero(dV);
     zero(dK);
-    const float scale_log2 = static_cast<float>(params.scale_log2);
-    const unsigned sK_warp = sK + warp_keys * kStride * 2, sV_warp = sV + warp_keys * kStride * 2;
-    const unsigned sPt_warp = sPt + warp_keys * kPStride * 2, sdSt_warp = sdSt + warp_keys * kPStride * 2;
+    const Accum scale_log2 = static_cast<Accum>(params.scale_log2);
+    const unsigned sK_warp = sK + warp_keys * kStride * kSize, sV_warp = sV + warp_keys * kStride * kSize;
+    const unsigned sPt_warp = sPt + warp_keys * kPStride * kSize, sdSt_warp = sdSt + warp_keys * kPStride * kSize;
 
     const int first_head = kv_head * params.kv_group;
     for (int head_idx = first_head; head_idx < first_head + params.kv_group; ++head_idx) {
-        const auto mod = score_mod<kScoreMod, float>(params, batch_idx, head_idx);
+        const auto mod = score_mod<kScoreMod, Accum>(params, batch_idx, head_idx);
         const auto dropout = dropout_for<kScoreMod>(params, batch_idx, head_idx);
 
         // Query blocks that see this key block: those in its band (causal: from its diagonal on),
@@ -146,8 +160,8 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             const bool has_next = step + 1 < m_blocks;
             const int next_row0 = query_blocks[after(t)] * Bt::kBlockM;
             const unsigned sQ_i = sQ + buf * Bt::kQueryTileBytes;
-            const float* sLse2_i = sLse2 + buf * Bt::kBlockM;
-            const float* sD_i = sD + buf * Bt::kBlockM;
+            const Accum* sLse2_i = sLse2 + buf * Bt::kBlockM;
+            const Accum* sD_i = sD + buf * Bt::kBlockM;
             // Q_i, dO_i have landed; every warp is done with the last step's tiles.
             tiles_landed<Bt>();
             const unsigned sdO_i = sdO + (Bt::kDoBuffers == 2 ? buf : 0) * Bt::kQueryTileBytes;
@@ -160,27 +174,45 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
             cp_async_commit();
 
             // S_ij^T = K_j Q_i^T, masked, then P_ij^T = exp2(S^T·scale·log2(e) - lse_i·log2(e)).
-            float St[Bt::kMTiles][Bt::kNTiles][4], dPt[Bt::kMTiles][Bt::kNTiles][4];
+            Accum St[Bt::kMTiles][Bt::kNTiles][4], dPt[Bt::kMTiles][Bt::kNTiles][4];
             zero(St);
-            gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
-                St, sK_warp, sQ_i + warp_queries * kStride * 2, lane);
-            unsigned Pt_dx[Bt::kMTiles][Bt::kNTiles / 2][4];  // kScoreMod: dS's factor P^T ∘ dx
+            if constexpr (Bt::kF64)
+                gemm_abt_ss_f64<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride>(
+                    St, sK_warp, sQ_i + warp_queries * kStride * kSize, f);
+            else
+                gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
+                    St, sK_warp, sQ_i + warp_queries * kStride * kSize, lane);
+            // kScoreMod: dS's factor P^T ∘ dx (16-bit: as A fragments; float64: an accumulator tile)
+            using PtDx = typename Conditional<Bt::kF64, Accum[Bt::kMTiles][Bt::kNTiles][4],
+                                              unsigned[Bt::kMTiles][Bt::kNTiles / 2][4]>::type;
+            PtDx Pt_dx;
             probabilities_t<Bt, kIsLocal, kScoreMod>(St, Pt_dx, params, mod, dropout, sLse2_i, scale_log2, q_row0, key0,
                                                      keys_valid, warp_keys, warp_queries, f);
 
             // dV_j += P^T dO_i over this warp's queries, P^T rounded to the input type as the product
             // takes it; dS below takes P^T in float32 (scores_gradient_t; with score modifiers, the
-            // rounded P^T ∘ dx).
-            unsigned Pt[Bt::kMTiles][Bt::kNTiles / 2][4];
-            to_a_fragments<Op>(St, Pt);
-            if (Bt::kWarpsQ > 1) store_a_fragments<kPStride>(sPt_warp + warp_queries * 2, Pt, f);
-            gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
-                dV, Pt, sdO_i + (warp_queries * kStride + warp_cols) * 2, lane);
+            // rounded P^T ∘ dx). float64: P^T as computed, from St.
+            constexpr bool kF64 = Bt::kF64;
+            unsigned Pt[kF64 ? 1 : Bt::kMTiles][Bt::kNTiles / 2][4];
+            if constexpr (kF64) {
+                if (Bt::kWarpsQ > 1) store_accumulators_f64<kPStride>(sPt_warp + warp_queries * kSize, St, f);
+                gemm_pv_f64<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles, kStride>(
+                    dV, St, sdO_i + (warp_queries * kStride + warp_cols) * kSize, f);
+            } else {
+                to_a_fragments<Op>(St, Pt);
+                if (Bt::kWarpsQ > 1) store_a_fragments<kPStride>(sPt_warp + warp_queries * kSize, Pt, f);
+                gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
+                    dV, Pt, sdO_i + (warp_queries * kStride + warp_cols) * kSize, lane);
+            }
 
             // dP_ij^T = V_j dO_i^T, then dS_ij^T = P^T ∘ (dP^T - D_i) in place.
             zero(dPt);
-            gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
-                dPt, sV_warp, sdO_i + warp_queries * kStride * 2, lane);
+            if constexpr (kF64)
+                gemm_abt_ss_f64<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride>(
+                    dPt, sV_warp, sdO_i + warp_queries * kStride * kSize, f);
+            else
+                gemm_abt_ss<Op, Bt::kMTiles, Bt::kNTiles, Bt::kKSteps, kStride, kStride>(
+                    dPt, sV_warp, sdO_i + warp_queries * kStride * kSize, lane);
             if constexpr (kScoreMod)
                 modified_scores_gradient_t<Bt>(dPt, Pt_dx, sD_i, warp_queries, f);
             else
@@ -188,11 +220,17 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
 
 
             // dK_j += dS^T Q_i over this warp's queries; dS^T also goes to shared memory for dQ_i.
-            unsigned dSt[Bt::kMTiles][Bt::kNTiles / 2][4];
-            to_a_fragments<Op>(dPt, dSt);
-            store_a_fragments<kPStride>(sdSt_warp + warp_queries * 2, dSt, f);
-            gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
-                dK, dSt, sQ_i + (warp_queries * kStride + warp_cols) * 2, lane);
+            if constexpr (kF64) {
+                store_accumulators_f64<kPStride>(sdSt_warp + warp_queries * kSize, dPt, f);
+                gemm_pv_f64<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles, kStride>(
+                    dK, dPt, sQ_i + (warp_queries * kStride + warp_cols) * kSize, f);
+            } else {
+                unsigned dSt[Bt::kMTiles][Bt::kNTiles / 2][4];
+                to_a_fragments<Op>(dPt, dSt);
+                store_a_fragments<kPStride>(sdSt_warp + warp_queries * kSize, dSt, f);
+                gemm_ab_rs<Op, Bt::kMTiles, Bt::kOutTiles, Bt::kNTiles / 2, kStride>(
+                    dK, dSt, sQ_i + (warp_queries * kStride + warp_cols) * kSize, lane);
+            }
             __syncthreads();  // P^T and dS^T are complete
 
             // dV_j over the other warps' queries; a single dO buffer is then reloaded.
@@ -225,17 +263,17 @@ __global__ void __launch_bounds__(Bt::kNThreads, Bt::kMinBlocksPerSm)
     Storage* dv = static_cast<Storage*>(params.dv) + k_batch * params.dv_batch_stride +
                   kv_head * params.dv_head_stride + warp_key0 * params.dv_row_stride + warp_cols;
     if constexpr (kScoreMod) {  // dropout's 1 / (1 - p) on both
-        const float rescale = static_cast<float>(params.dropout_rescale);
+        const Accum rescale = static_cast<Accum>(params.dropout_rescale);
         store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
                                               params.head_dim - warp_cols, dK,
-                                              static_cast<float>(params.scale * params.dropout_rescale), f);
+                                              static_cast<Accum>(params.scale * params.dropout_rescale), f);
         store_fragments<typename Bt::Element>(dv, params.dv_row_stride, params.seqlen_k - warp_key0,
                                               params.head_dim - warp_cols, dV, rescale, f);
     } else {
         store_fragments<typename Bt::Element>(dk, params.dk_row_stride, params.seqlen_k - warp_key0,
-                                              params.head_dim - warp_cols, dK, static_cast<float>(params.scale), f);
+                                              params.head_dim - warp_cols, dK, static_cast<Accum>(params.scale), f);
         store_fragments<typename Bt::Element>(dv, params.dv_row_stride, params.seqlen_k - warp_key0,
-                                              params.head_dim - warp_cols, dV, 1.f, f);
+                                              params.head_dim - warp_cols, dV, 1, f);
     }
 }
 

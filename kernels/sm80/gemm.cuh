@@ -240,12 +240,29 @@ __device__ __forceinline__ void gemm_abt_ss_f64(double (&C)[kMTiles][kNTiles][4]
     }
 }
 
+// One DMMA k16 step of C += A B, float64 (Op: Mma<double>), with A's fragments in registers in the
+// order of an accumulator tile's columns: lane (g, t)'s slot i is k = 2t + i % 2 + 8·(i / 2), the
+// columns 2t, 2t + 1 of n8 tiles 2kk and 2kk + 1 that the lane holds. B [k][n] float64 rows in shared
+// memory (row stride kStrideB doubles): slot i of B is its row of the same k at column g, read 8
+// bytes at a time (b_k: this lane's address, row 2t of the step at column g of the first n8 tile;
+// the 16 lanes of a load phase: 4 rows 2 apart, 32 bytes apart in the banks, by 4 columns: 16
+// distinct 8-byte bank pairs).
+template <typename Op, int kMTiles, int kNTiles, int kStrideB>
+__device__ __forceinline__ void mma_k16_f64(double (&C)[kMTiles][kNTiles][4], const double (&a)[kMTiles][8],
+                                            unsigned b_k) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+        const unsigned row = b_k + nt * 8 * 8;
+        const double b[4] = {load_shared_f64(row), load_shared_f64(row + kStrideB * 8),
+                             load_shared_f64(row + 8 * kStrideB * 8), load_shared_f64(row + 9 * kStrideB * 8)};
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) Op::run(C[mt][nt], a[mt], b);
+    }
+}
+
 // float64 tiles on DMMA k16 steps (Op): O += P V with P an accumulator tile in registers (keys as its
-// columns) and V [keys][head dim] float64 rows in shared memory (row stride kStride doubles). Lane
-// (g, t) holds keys 2t, 2t + 1 of n8 tiles 2kk and 2kk + 1, rows g and g + 8: they are its slots
-// i = 0..3 of k16 step kk (slot i: key 2t + i % 2 + 8·(i / 2)), and B's slot i is V's row of the
-// same key at column g, read 8 bytes at a time (16 lanes of a phase: 4 rows 2 apart, 32 bytes
-// apart in the banks, by 4 columns: 16 distinct 8-byte bank pairs).
+// columns), its k16 step kk the n8 tiles 2kk and 2kk + 1 (mma_k16_f64's slot order), and V [keys][head
+// dim] float64 rows in shared memory (row stride kStride doubles). Also dV += P^T dO and dK += dS^T Q.
 template <typename Op, int kMTiles, int kDTiles, int kNTiles, int kStride>
 __device__ __forceinline__ void gemm_pv_f64(double (&O)[kMTiles][kDTiles][4], const double (&P)[kMTiles][kNTiles][4],
                                             unsigned sV, const Fragment& f) {
@@ -260,15 +277,57 @@ __device__ __forceinline__ void gemm_pv_f64(double (&O)[kMTiles][kDTiles][4], co
             for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) a[mt][2 * i + h] = P[mt][2 * kk + i / 2][2 * h + i % 2];
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-            const unsigned row = v0 + (16 * kk * kStride + 8 * dt) * 8;
-            const double b[4] = {load_shared_f64(row), load_shared_f64(row + kStride * 8),
-                                 load_shared_f64(row + 8 * kStride * 8), load_shared_f64(row + 9 * kStride * 8)};
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) Op::run(O[mt][dt], a[mt], b);
-        }
+        mma_k16_f64<Op, kMTiles, kDTiles, kStride>(O, a, v0 + 16 * kk * kStride * 8);
     }
+}
+
+// float64 tiles on DMMA k16 steps (Op): C += A B with both operands in shared memory, B [k][n] (n
+// contiguous), A [m][k] (k contiguous: dV_j += P^T dO_i over the queries whose P^T another warp
+// wrote) or, with kATransposed, [k][m] (m contiguous: dQ_i += dS_ij K_j from the dS^T tile). A is
+// read into mma_k16_f64's slot order: two 16-byte loads a row (two rows of a load phase share 2
+// bank groups at kStrideA·8 = 16 mod 128), or (transposed) one 8-byte load an element (16 distinct
+// bank pairs a phase). sA: A's element at the warp's first m and the product's first k; sB: B's
+// first k row at the product's first column.
+template <typename Op, bool kATransposed, int kMTiles, int kNTiles, int kKSteps, int kStrideA, int kStrideB>
+__device__ __forceinline__ void gemm_ab_ss_f64(double (&C)[kMTiles][kNTiles][4], unsigned sA, unsigned sB,
+                                               const Fragment& f) {
+    const unsigned b0 = sB + (2 * f.t * kStrideB + f.g) * 8;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+        double a[kMTiles][8];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = mt * 16 + f.g + 8 * h, k = ks * 16 + 2 * f.t;
+                if constexpr (kATransposed) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        a[mt][2 * i + h] = load_shared_f64(sA + ((k + i % 2 + 8 * (i / 2)) * kStrideA + m) * 8);
+                } else {
+                    const unsigned row = sA + (m * kStrideA + k) * 8;
+                    load_shared_f64x2(row, a[mt][h], a[mt][2 + h]);
+                    load_shared_f64x2(row + 8 * 8, a[mt][4 + h], a[mt][6 + h]);
+                }
+            }
+        mma_k16_f64<Op, kMTiles, kNTiles, kStrideB>(C, a, b0 + 16 * ks * kStrideB * 8);
+    }
+}
+
+// Writes a float64 accumulator tile to a [rows][cols] shared tile (row stride kStride doubles) for
+// other warps to read: s_tile at the warp's first row and column; a lane's two adjacent columns
+// go out as one 16-byte store.
+template <int kStride, int kMTiles, int kNTiles>
+__device__ __forceinline__ void store_accumulators_f64(unsigned s_tile, const double (&C)[kMTiles][kNTiles][4],
+                                                       const Fragment& f) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+                store_shared_f64x2(s_tile + ((mt * 16 + f.g + 8 * h) * kStride + nt * 8 + 2 * f.t) * 8,
+                                   C[mt][nt][2 * h], C[mt][nt][2 * h + 1]);
 }
 
 }  // namespace cupyflash

@@ -59,7 +59,8 @@ struct TcBwdDkdvTraits : TcTileLayout<Element_, kHeadDim_, kNWarps_> {
     // K_j fragment then feeds two mma). Warps left over (when the column pairs do not divide among
     // them) skip the dQ product.
     static constexpr int kDqRowTiles = kBlockM / 16;
-    static constexpr int kDqTilesWanted = kDqRowTiles % 2 == 0 ? 2 : 1;  // m16 tiles per dQ warp
+    // m16 tiles per dQ warp (float64: one, its accumulators taking twice the registers)
+    static constexpr int kDqTilesWanted = kDqRowTiles % 2 == 0 && !Base::kF64 ? 2 : 1;
     static constexpr int kDqWarpsM =
         kDqRowTiles / kDqTilesWanted < kNWarps_ ? kDqRowTiles / kDqTilesWanted : kNWarps_;
     static constexpr int kDqWarpsN = largest_divisor_at_most(kHeadDimOut / 16, kNWarps_ / kDqWarpsM);
@@ -68,21 +69,22 @@ struct TcBwdDkdvTraits : TcTileLayout<Element_, kHeadDim_, kNWarps_> {
     // dQ_i's columns are produced kDqChunk at a time, its accumulators living beside dK_j and dV_j:
     // 32 columns, or 16 when S^T is wider than 64 queries and leaves fewer registers (ptxas spills
     // 32 at sm_80 there).
-    static constexpr int kDqChunk = kDqCols % 32 == 0 && kBlockM <= 64 ? 32 : 16;
+    static constexpr int kDqChunk = kDqCols % 32 == 0 && kBlockM <= 64 && !Base::kF64 ? 32 : 16;
     static_assert(kDqCols % kDqChunk == 0, "dQ chunks tile the warp's columns");
     static constexpr int kPStride = kBlockM + Base::kPad;  // row stride of P^T and dS^T [keys][queries]
+    static constexpr int kSize = sizeof(typename Base::Storage);  // bytes of an element
 
     // Storage elements: K_j, V_j, two buffers of Q_i (the next one loads during this step),
-    // kDoBuffers of dO_i, P_ij^T, dS_ij^T; then float lse_i·log2(e) and D_i, two buffers each.
+    // kDoBuffers of dO_i, P_ij^T, dS_ij^T; then Accum lse_i·log2(e) and D_i, two buffers each.
     static constexpr int kSmemKOffset = 0;
     static constexpr int kSmemVOffset = kSmemKOffset + kBlockN * Base::kStride;
     static constexpr int kSmemQOffset = kSmemVOffset + kBlockN * Base::kStride;
     static constexpr int kSmemDoOffset = kSmemQOffset + 2 * kBlockM * Base::kStride;
     static constexpr int kSmemPOffset = kSmemDoOffset + kDoBuffers * kBlockM * Base::kStride;
     static constexpr int kSmemDsOffset = kSmemPOffset + kBlockN * kPStride;
-    static constexpr int kSmemRowStatsOffset = (kSmemDsOffset + kBlockN * kPStride) * 2;  // bytes
-    static constexpr int kSmemBytes = kSmemRowStatsOffset + 2 * 2 * kBlockM * 4;
-    static constexpr int kQueryTileBytes = kBlockM * Base::kStride * 2;  // one buffer of Q_i or dO_i
+    static constexpr int kSmemRowStatsOffset = (kSmemDsOffset + kBlockN * kPStride) * kSize;  // bytes
+    static constexpr int kSmemBytes = kSmemRowStatsOffset + 2 * 2 * kBlockM * sizeof(typename Base::Accum);
+    static constexpr int kQueryTileBytes = kBlockM * Base::kStride * kSize;  // one buffer of Q_i or dO_i
     static constexpr bool kWgmma = false;  // mma.sync products (WgmmaBwdDkdvTraits: wgmma)
 
     static_assert(kDoBuffers == 1 || kDoBuffers == 2, "dO_i is single- or double-buffered");

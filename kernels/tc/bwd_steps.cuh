@@ -11,23 +11,23 @@ namespace cupyflash {
 // get lse = +inf, so their P_ij are exactly 0 whatever their (zero) scores. (These plain loads hold
 // the first warps at their shared-memory stores; copied by cp.async instead, the Hopper d128 dK/dV
 // kernel measured 3-4% slower.)
-template <typename Bt>
-__device__ __forceinline__ void load_row_stats(const BwdParams& params, float* sLse2, float* sD, int batch_idx,
-                                               int head_idx, int q_row0) {
+template <typename Bt, typename T = typename Bt::Accum>
+__device__ __forceinline__ void load_row_stats(const BwdParams& params, T* sLse2, T* sD, int batch_idx, int head_idx,
+                                               int q_row0) {
     const int rows_valid = min(Bt::kBlockM, params.seqlen_q - q_row0);
     const long long row_stats = row_vector_offset(params, batch_idx, head_idx) + q_row0;
     for (int i = threadIdx.x; i < Bt::kBlockM; i += Bt::kNThreads) {
-        sLse2[i] = i < rows_valid ? static_cast<const float*>(params.lse_log2)[row_stats + i] : pos_inf<float>();
-        sD[i] = i < rows_valid ? static_cast<const float*>(params.d)[row_stats + i] : 0.f;
+        sLse2[i] = i < rows_valid ? static_cast<const T*>(params.lse_log2)[row_stats + i] : pos_inf<T>();
+        sD[i] = i < rows_valid ? static_cast<const T*>(params.d)[row_stats + i] : T(0);
     }
 }
 
 // Q_i (asynchronously) and its row statistics. The addresses are formed here from the kernel
 // parameters, not kept across the loop in registers, which the d64-d128 kernels have none to
 // spare for.
-template <typename Bt>
-__device__ __forceinline__ void load_query_block(const BwdParams& params, unsigned sQ, float* sLse2, float* sD,
-                                                 int batch_idx, int head_idx, int q_row0) {
+template <typename Bt, typename T = typename Bt::Accum>
+__device__ __forceinline__ void load_query_block(const BwdParams& params, unsigned sQ, T* sLse2, T* sD, int batch_idx,
+                                                 int head_idx, int q_row0) {
     const int rows_valid = min(Bt::kBlockM, params.seqlen_q - q_row0);
     const auto* q = static_cast<const typename Bt::Storage*>(params.q) + batch_idx * params.q_batch_stride +
                     head_idx * params.q_head_stride + q_row0 * params.q_row_stride;
@@ -47,39 +47,47 @@ __device__ __forceinline__ void load_dout_block(const BwdParams& params, unsigne
 // P_ij^T = exp2(S_ij^T·scale·log2(e) - lse_i·log2(e)) in place of S_ij^T (the warp's keys from
 // key0 + warp_keys, queries from q_row0 + warp_queries), masked where seqlen_k or the band cuts the
 // tile. kScoreMod: P^T of the modified scores, and P^T ∘ dx (the modifier's derivative) rounded
-// into Pt_dx as dS's factor in place of P^T: no fp32 tile outlives the step.
-template <typename Bt, bool kIsLocal, bool kScoreMod, typename Mod, typename Drop>
-__device__ __forceinline__ void probabilities_t(float (&St)[Bt::kMTiles][Bt::kNTiles][4],
-                                                unsigned (&Pt_dx)[Bt::kMTiles][Bt::kNTiles / 2][4],
+// into Pt_dx as dS's factor in place of P^T: no fp32 tile outlives the step. float64 (Bt::kF64)
+// keeps P^T ∘ dx unrounded, in an accumulator tile (PtDx: T[kMTiles][kNTiles][4]), and its sign
+// marks a dropped element as the packed form's sign bit does.
+template <typename Bt, bool kIsLocal, bool kScoreMod, typename Mod, typename Drop, typename PtDx,
+          typename T = typename Bt::Accum>
+__device__ __forceinline__ void probabilities_t(T (&St)[Bt::kMTiles][Bt::kNTiles][4], PtDx& Pt_dx,
                                                 const BwdParams& params, const Mod& mod, const Drop& dropout,
-                                                const float* sLse2_i, float scale_log2, int q_row0, int key0,
-                                                int keys_valid, int warp_keys, int warp_queries, const Fragment& f) {
+                                                const T* sLse2_i, T scale_log2, int q_row0, int key0, int keys_valid,
+                                                int warp_keys, int warp_queries, const Fragment& f) {
     using Op = typename Bt::Op;
+    constexpr Tanh kTanh = Bt::kF64 ? Tanh::kAccurate : Tanh::kExp2;
     if (keys_valid < Bt::kBlockN ||
         (kIsLocal && band_cuts(params, q_row0, min(Bt::kBlockM, params.seqlen_q - q_row0), key0, keys_valid)))
         mask_fragments<kIsLocal, true>(St, key0 + warp_keys, q_row0 + warp_queries, params, f);
     if constexpr (kScoreMod) {
         // ALiBi's query + diagonal - key at this lane's first element; the others add a constant.
-        const float offset0 = mod.offset(q_row0 + warp_queries + f.col(0, 0), key0 + warp_keys + f.row(0, 0));
+        const T offset0 = mod.offset(q_row0 + warp_queries + f.col(0, 0), key0 + warp_keys + f.row(0, 0));
         const auto modified_probabilities = [&](auto softcap) {
             constexpr bool kSoftcap = decltype(softcap)::value;
 #pragma unroll
             for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-                const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + warp_queries + f.col(nt, 0));
+                const Vec<T, 2> lse2 = load_vec<2>(sLse2_i + warp_queries + f.col(nt, 0));
 #pragma unroll
                 for (int mt = 0; mt < Bt::kMTiles; ++mt)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const float offset = offset0 + static_cast<float>(8 * nt - 16 * mt - 8 * h);
-                        float dx0, dx1;
-                        const float x0 = mod.template apply_at<Tanh::kExp2, kSoftcap>(St[mt][nt][2 * h] * scale_log2,
-                                                                               fabsf(offset), dx0);
-                        const float x1 = mod.template apply_at<Tanh::kExp2, kSoftcap>(
-                            St[mt][nt][2 * h + 1] * scale_log2, fabsf(offset + 1.f), dx1);
-                        St[mt][nt][2 * h] = exp2f(x0 - lse2.x);
-                        St[mt][nt][2 * h + 1] = exp2f(x1 - lse2.y);
-                        Pt_dx[mt][nt / 2][(nt % 2) * 2 + h] =
-                            Op::pack(St[mt][nt][2 * h] * dx0, St[mt][nt][2 * h + 1] * dx1);
+                        const T offset = offset0 + static_cast<T>(8 * nt - 16 * mt - 8 * h);
+                        T dx0, dx1;
+                        const T x0 = mod.template apply_at<kTanh, kSoftcap>(St[mt][nt][2 * h] * scale_log2,
+                                                                            abs_(offset), dx0);
+                        const T x1 = mod.template apply_at<kTanh, kSoftcap>(St[mt][nt][2 * h + 1] * scale_log2,
+                                                                            abs_(offset + T(1)), dx1);
+                        St[mt][nt][2 * h] = exp2_(x0 - lse2.x[0]);
+                        St[mt][nt][2 * h + 1] = exp2_(x1 - lse2.x[1]);
+                        if constexpr (Bt::kF64) {
+                            Pt_dx[mt][nt][2 * h] = St[mt][nt][2 * h] * dx0;
+                            Pt_dx[mt][nt][2 * h + 1] = St[mt][nt][2 * h + 1] * dx1;
+                        } else {
+                            Pt_dx[mt][nt / 2][(nt % 2) * 2 + h] =
+                                Op::pack(St[mt][nt][2 * h] * dx0, St[mt][nt][2 * h + 1] * dx1);
+                        }
                     }
             }
         };
@@ -92,19 +100,22 @@ __device__ __forceinline__ void probabilities_t(float (&St)[Bt::kMTiles][Bt::kNT
         if (dropout.active())
             for_dropped<true, Bt::kMTiles, Bt::kNTiles>(
                 dropout, key0 + warp_keys, q_row0 + warp_queries, f, [&](int mt, int nt, int i) {
-                    St[mt][nt][i] = 0.f;
-                    Pt_dx[mt][nt / 2][(nt % 2) * 2 + i / 2] ^= i % 2 ? 0x80000000u : 0x8000u;  // sign bit
+                    St[mt][nt][i] = T(0);
+                    if constexpr (Bt::kF64)
+                        Pt_dx[mt][nt][i] = -Pt_dx[mt][nt][i];
+                    else
+                        Pt_dx[mt][nt / 2][(nt % 2) * 2 + i / 2] ^= i % 2 ? 0x80000000u : 0x8000u;  // sign bit
                 });
     } else {
 #pragma unroll
         for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-            const float2 lse2 = *reinterpret_cast<const float2*>(sLse2_i + warp_queries + f.col(nt, 0));
+            const Vec<T, 2> lse2 = load_vec<2>(sLse2_i + warp_queries + f.col(nt, 0));
 #pragma unroll
             for (int mt = 0; mt < Bt::kMTiles; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    St[mt][nt][2 * h] = exp2f(fmaf(St[mt][nt][2 * h], scale_log2, -lse2.x));
-                    St[mt][nt][2 * h + 1] = exp2f(fmaf(St[mt][nt][2 * h + 1], scale_log2, -lse2.y));
+                    St[mt][nt][2 * h] = exp2_(fma_(St[mt][nt][2 * h], scale_log2, -lse2.x[0]));
+                    St[mt][nt][2 * h + 1] = exp2_(fma_(St[mt][nt][2 * h + 1], scale_log2, -lse2.x[1]));
                 }
         }
     }
@@ -115,41 +126,48 @@ __device__ __forceinline__ void probabilities_t(float (&St)[Bt::kMTiles][Bt::kNT
 // P^T, dS carried that rounding on top of its own, and on problems of a few keys (large P) the
 // 16-bit dq and dk exceeded the 2x rule about twice as often as FlashAttention-2's. (The Hopper
 // kernels keep P^T as its rounding and FP8 remainders: sm90/bwd_steps.cuh's p_remainders.)
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void scores_gradient_t(float (&dPt)[kMTiles][kNTiles][4], const float (&St)[kMTiles][kNTiles][4],
-                                                  const float* sD_i, int warp_queries, const Fragment& f) {
+template <typename T, int kMTiles, int kNTiles>
+__device__ __forceinline__ void scores_gradient_t(T (&dPt)[kMTiles][kNTiles][4], const T (&St)[kMTiles][kNTiles][4],
+                                                  const T* sD_i, int warp_queries, const Fragment& f) {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
-        const float2 d_i = *reinterpret_cast<const float2*>(sD_i + warp_queries + f.col(nt, 0));
+        const Vec<T, 2> d_i = load_vec<2>(sD_i + warp_queries + f.col(nt, 0));
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                dPt[mt][nt][2 * h] = St[mt][nt][2 * h] * (dPt[mt][nt][2 * h] - d_i.x);
-                dPt[mt][nt][2 * h + 1] = St[mt][nt][2 * h + 1] * (dPt[mt][nt][2 * h + 1] - d_i.y);
+                dPt[mt][nt][2 * h] = St[mt][nt][2 * h] * (dPt[mt][nt][2 * h] - d_i.x[0]);
+                dPt[mt][nt][2 * h + 1] = St[mt][nt][2 * h + 1] * (dPt[mt][nt][2 * h + 1] - d_i.x[1]);
             }
     }
 }
 
 // The same with score modifiers or dropout: dS's factor P^T ∘ dx as rounded into A fragments by
-// probabilities_t, its sign bit marking a dropped element.
-template <typename Bt>
-__device__ __forceinline__ void modified_scores_gradient_t(float (&dPt)[Bt::kMTiles][Bt::kNTiles][4],
-                                                           const unsigned (&Pt_dx)[Bt::kMTiles][Bt::kNTiles / 2][4],
-                                                           const float* sD_i, int warp_queries, const Fragment& f) {
+// probabilities_t (float64: as computed), its sign bit marking a dropped element.
+template <typename Bt, typename PtDx, typename T = typename Bt::Accum>
+__device__ __forceinline__ void modified_scores_gradient_t(T (&dPt)[Bt::kMTiles][Bt::kNTiles][4], const PtDx& Pt_dx,
+                                                           const T* sD_i, int warp_queries, const Fragment& f) {
     using Op = typename Bt::Op;
 #pragma unroll
     for (int nt = 0; nt < Bt::kNTiles; ++nt) {
-        const float2 d_i = *reinterpret_cast<const float2*>(sD_i + warp_queries + f.col(nt, 0));
+        const Vec<T, 2> d_i = load_vec<2>(sD_i + warp_queries + f.col(nt, 0));
 #pragma unroll
         for (int mt = 0; mt < Bt::kMTiles; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                // A fragment register r holds rows h = r % 2 of n8 tile 2kk + r / 2.
-                const float2 p = Op::unpack(Pt_dx[mt][nt / 2][(nt % 2) * 2 + h]);
                 // dropped (negative): -D_i' instead of dP - D_i'
-                dPt[mt][nt][2 * h] = p.x * (p.x >= 0.f ? dPt[mt][nt][2 * h] - d_i.x : d_i.x);
-                dPt[mt][nt][2 * h + 1] = p.y * (p.y >= 0.f ? dPt[mt][nt][2 * h + 1] - d_i.y : d_i.y);
+                if constexpr (Bt::kF64) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const T p = Pt_dx[mt][nt][2 * h + e];
+                        dPt[mt][nt][2 * h + e] = p * (p >= T(0) ? dPt[mt][nt][2 * h + e] - d_i.x[e] : d_i.x[e]);
+                    }
+                } else {
+                    // A fragment register r holds rows h = r % 2 of n8 tile 2kk + r / 2.
+                    const float2 p = Op::unpack(Pt_dx[mt][nt / 2][(nt % 2) * 2 + h]);
+                    dPt[mt][nt][2 * h] = p.x * (p.x >= 0.f ? dPt[mt][nt][2 * h] - d_i.x[0] : d_i.x[0]);
+                    dPt[mt][nt][2 * h + 1] = p.y * (p.y >= 0.f ? dPt[mt][nt][2 * h + 1] - d_i.x[1] : d_i.x[1]);
+                }
             }
     }
 }

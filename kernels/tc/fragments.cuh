@@ -498,22 +498,26 @@ __device__ __forceinline__ void atomic_add_pair(float* p, float x0, float x1) {
     atomicAdd(p + 1, x1);
 #endif
 }
+__device__ __forceinline__ void atomic_add_pair(double* p, double x0, double x1) {
+    atomicAdd(p, x0);
+    atomicAdd(p + 1, x1);
+}
 
 // g_tile[row][col] += scale · C with float atomics (red.global.add), for the valid rows and columns.
 // A warp tile that is wholly valid, with rows 8-byte aligned (nearly every tile), takes a path with
 // no per-element checks, whose addresses are a row pointer plus an immediate column offset.
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void atomic_add_fragments(float* g_tile, long long row_stride, int rows_valid,
-                                                     int cols_valid, const float (&C)[kMTiles][kNTiles][4],
-                                                     float scale, const Fragment& f) {
+template <typename T, int kMTiles, int kNTiles>
+__device__ __forceinline__ void atomic_add_fragments(T* g_tile, long long row_stride, int rows_valid,
+                                                     int cols_valid, const T (&C)[kMTiles][kNTiles][4],
+                                                     typename NonDeduced<T>::type scale, const Fragment& f) {
     const bool aligned = ((reinterpret_cast<unsigned long long>(g_tile) | static_cast<unsigned long long>(row_stride * 4)) & 7) == 0;
     if (aligned && rows_valid >= kMTiles * 16 && cols_valid >= kNTiles * 8) {
-        float* base = g_tile + f.g * row_stride + 2 * f.t;
+        T* base = g_tile + f.g * row_stride + 2 * f.t;
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float* row = base + (mt * 16 + 8 * h) * row_stride;
+                T* row = base + (mt * 16 + 8 * h) * row_stride;
 #pragma unroll
                 for (int nt = 0; nt < kNTiles; ++nt)
                     atomic_add_pair(row + nt * 8, C[mt][nt][2 * h] * scale, C[mt][nt][2 * h + 1] * scale);
