@@ -306,6 +306,15 @@ def test_explain_reports_every_family():
     assert "forward: sm80" in text and "TcFwdTraits<cupyflash::Tf32<3>, 64" in text  # 3xTF32
     assert "take float16 or bfloat16, not float32" in text  # (the backward's families)
     assert "the deterministic kernel cupyflash::flash_bwd_dq_kernel" in text
+    # float64: the FP64 tensor cores for the forward and dK/dV, float64 dQ adds (or the CUDA-core
+    # deterministic kernel); above d64 on an A100's shared memory, the CUDA-core dK/dV kernel
+    x = q[..., :40].astype("float64")
+    text = str(cupyflash.explain(x, x, x, compute_capability=90))
+    assert "forward: sm80" in text and "backward dK/dV: sm80" in text and "float64 atomic adds" in text
+    text = str(cupyflash.explain(x, x, x, deterministic=True, compute_capability=90))
+    assert "the deterministic kernel cupyflash::flash_bwd_dq_kernel<cupyflash::BwdDqTraits<double" in text
+    x = q[..., :100].astype("float64")
+    assert "backward dK/dV: scalar" in str(cupyflash.explain(x, x, x, compute_capability=80))
     with pytest.raises(TypeError, match="causal must be True or False"):
         cupyflash.explain(q, q, q, causal=1, compute_capability=90)
 

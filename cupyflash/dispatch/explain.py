@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from cupyflash.catalog.tiles import padded_head_dim
-from cupyflash.problem import AttentionProblem
+from cupyflash.problem import AttentionProblem, lse_dtype
 from cupyflash.runtime.device import DeviceInfo
 
 
@@ -82,5 +82,6 @@ def render(e: Explanation) -> str:
         lines.append(f"backward dQ: added into a ring of {e.ring} (K/V head, batch) slabs that the dK/dV kernel "
                      f"rounds into dq itself")
     else:
-        lines.append(f"backward dQ: float32 atomic adds into a workspace, rounded by {dq.name_expression}")
+        accum = lse_dtype(e.problem.dtype_name).name  # the kernels' accumulator type
+        lines.append(f"backward dQ: {accum} atomic adds into a workspace, rounded by {dq.name_expression}")
     return "\n".join(lines)
