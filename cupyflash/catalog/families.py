@@ -1,7 +1,8 @@
 """The instantiation list, and which instantiation of each kernel family serves a problem.
 
 A family is a set of kernels built the same way: "scalar" (CUDA cores, every dtype), "sm80"
-(mma.sync, sm_80 and newer: 16-bit, and float32's forward as TF32 products), "sm90" (wgmma,
+(mma.sync, sm_80 and newer: 16-bit, float32's forward as TF32 products, float64's forward and
+dK/dV on DMMA), "sm90" (wgmma,
 16-bit, sm_90a; one block per tile with cp.async copies), "sm90-tma" (its TMA builds) and
 "sm90-ws" (the warp-specialised, persistent TMA kernels). Which family a call takes is the
 planner's decision (cupyflash/dispatch/plan.py); this module only says which instantiation serves

@@ -1,6 +1,6 @@
-"""Kernel descriptors of the tensor-core kernels (float16 / bfloat16, float32's TF32 and float64's forward):
-the mma.sync kernels of kernels/sm80/ (sm_80 and newer) and the Hopper kernels of kernels/sm90/
-(wgmma, TMA; sm_90a)."""
+"""Kernel descriptors of the tensor-core kernels (float16 / bfloat16; float32's TF32 forward;
+float64's forward and dK/dV on DMMA): the mma.sync kernels of kernels/sm80/ (sm_80 and newer) and
+the Hopper kernels of kernels/sm90/ (wgmma, TMA; sm_90a)."""
 
 from __future__ import annotations
 
@@ -74,9 +74,10 @@ class TcFwdKernel(TcKernel):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TcBwdDkdvKernel(TcKernel):
-    """kernels/sm80/bwd.cu's flash_bwd_dkdv_sm80_kernel: one block per key block and column slice.
-    large_smem picks the traits table's tiles for an H100's shared memory. Two of these are equal
-    when they are the same instantiation (the tables agree at most head dims)."""
+    """kernels/sm80/bwd.cu's flash_bwd_dkdv_sm80_kernel (16-bit, or float64 on DMMA: its own table,
+    tiles.f64_dkdv_tile_shape): one block per key block and column slice. large_smem picks the
+    traits table's tiles for an H100's shared memory. Two of these are equal when they are the same
+    instantiation (the tables agree at most head dims)."""
 
     large_smem: bool = False
 
