@@ -10,7 +10,7 @@ import dataclasses
 import functools
 
 from cupyflash.catalog import tiles
-from cupyflash.catalog.tiles import DECODE_MAX_SPLITS, DECODE_WARPS, ELEMENT_TYPES, accum_itemsize
+from cupyflash.catalog.tiles import DECODE_MAX_SPLITS, DECODE_WARPS, ELEMENT_TYPES, accum_itemsize, itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +115,9 @@ class DecodeStagedKernel(DecodeKernelBase):
     def block_n(self) -> int:
         # Mirrors decode_warp_keys: a power of two up to 32 keys a warp, a K tile within 8 KiB.
         keys = 32
-        while keys > 1 and keys * DECODE_WARPS * self.head_dim * self._itemsize > 8 * 1024:
+        while keys > 1 and keys * DECODE_WARPS * self.head_dim * itemsize(self.dtype_name) > 8 * 1024:
             keys //= 2
         return keys * DECODE_WARPS
-
-    @property
-    def _itemsize(self) -> int:
-        return {"float64": 8, "float32": 4}.get(self.dtype_name, 2)  # float16, bfloat16: 2
 
     @property
     def traits_args(self) -> tuple:
@@ -131,10 +127,11 @@ class DecodeStagedKernel(DecodeKernelBase):
     def smem_bytes(self) -> int:
         # Mirrors DecodeStagedTraits::kSmemBytes: Q [1][d] in Accum, then kStages x (K_j, V_j) with
         # rows padded by kPadChunks 16-byte chunks; or the warps' merge.
-        chunk = 16 // self._itemsize
+        size = itemsize(self.dtype_name)
+        chunk = 16 // size
         lanes, row_chunks = 32 * DECODE_WARPS // self.block_n, self.head_dim // chunk
         pad = 0 if lanes >= 8 or row_chunks < 8 else (lanes - row_chunks) % 8
-        tile_bytes = self.block_n * (self.head_dim + pad * chunk) * self._itemsize
+        tile_bytes = self.block_n * (self.head_dim + pad * chunk) * size
         q_bytes = -(-self.rows * self.head_dim * accum_itemsize(self.dtype_name) // 16) * 16
         return max(q_bytes + self.stages * 2 * tile_bytes, self.merge_bytes())
 

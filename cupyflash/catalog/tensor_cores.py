@@ -65,8 +65,7 @@ class TcFwdKernel(TcKernel):
     def smem_bytes(self) -> int:
         # Mirrors TcFwdTraits::kSmemBytes: Q_i, K_j, V_j.
         t = self.tile
-        itemsize = 8 if self.dtype_name in tiles.F64_FORWARD_DTYPES else 4 if self.precision else 2
-        return _tc_tile_bytes(t.block_m + 2 * t.block_n, self.head_dim, itemsize)
+        return _tc_tile_bytes(t.block_m + 2 * t.block_n, self.head_dim, tiles.itemsize(self.dtype_name))
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.tile.block_m), heads, batch)
@@ -104,7 +103,7 @@ class TcBwdDkdvKernel(TcKernel):
         # 2 x (lse_i, D_i).
         t = self.tile
         rows = 2 * t.block_n + (2 + t.do_buffers) * t.block_m
-        size = tiles.accum_itemsize(self.dtype_name) if self.dtype_name in tiles.F64_FORWARD_DTYPES else 2
+        size = tiles.itemsize(self.dtype_name)
         return (_tc_tile_bytes(rows, self.head_dim, size) + 2 * _tc_tile_bytes(t.block_n, t.block_m, size)
                 + 2 * 2 * t.block_m * tiles.accum_itemsize(self.dtype_name))
 

@@ -65,6 +65,11 @@ DECODE_WARPS = 4
 DECODE_MAX_SPLITS = 128
 
 
+def itemsize(dtype_name: str) -> int:
+    """Bytes of an element of dtype_name in device memory (the kernels' Storage)."""
+    return {"float64": 8, "float32": 4}.get(dtype_name, 2)  # float16, bfloat16: 2
+
+
 def accum_itemsize(dtype_name: str) -> int:
     """Bytes of the accumulator type: float32 for 16-bit and float32 inputs, float64 for float64."""
     return 8 if dtype_name == "float64" else 4
