@@ -120,8 +120,6 @@ def dkdv_kernel(family: str, dtype_name: str, head_dim: int, variant: Variant = 
             raise Unavailable(f"float64 builds at head dims up to {tiles.F64_MAX_HEAD_DIM} only, not {d}")
         if d > 64 and not large_smem:
             raise Unavailable("float64 builds above head dim 64 need an H100's shared memory")
-        if d > 64 and v.varlen:
-            raise Unavailable("no float64 variable-length build above head dim 64 (its registers spill)")
         return TcBwdDkdvKernel(dtype_name, d, v.local, large_smem=large_smem, **fields)
     if dtype_name not in tiles.TENSOR_CORE_DTYPES:
         raise Unavailable(f"the tensor-core kernels take float16 or bfloat16, not {dtype_name}")

@@ -243,19 +243,18 @@ def f64_fwd_tile_shape(padded: int, block_sparse: bool = False, local: bool = Fa
 
 def f64_dkdv_tile_shape(padded: int, large_smem: bool = False, block_sparse: bool = False, score_mod: bool = False,
                         varlen: bool = False) -> TcDkdvTileShape:
-    """The float64 (DMMA) dK/dV kernel's tile, 16 keys a warp. To d64: 64 keys, 32 queries a step,
-    8 warps in a 4 x 2 grid (each warp half the head dim's columns of dK and dV). Above it, only on
-    an H100's shared memory and not variable-length (families.dkdv_kernel): 64 keys, one warp a key
-    range, 16 queries a step, each block half the head dim's columns (out_split: dK and dV then take
-    128 registers a warp). The 2 x 2 grid of 32 keys by 32 queries, 1.35x faster at d128, spills
-    24-72 bytes there (sm_90a)."""
+    """The float64 (DMMA) dK/dV kernel's tile: 16 keys a warp, 32 queries a step, the warps in a
+    grid of key ranges x 2 (each warp half the head dim's columns of dK and dV): 64 keys (8 warps)
+    to d64, 32 keys (4 warps) above it, only on an H100's shared memory (families.dkdv_kernel).
+    Above d64 the other warps' products and dQ's unroll their B loop by 4 (gemm_ab_ss_f64): fully
+    unrolled, this grid spills 24-72 bytes."""
     if padded <= 16:  # too narrow to split dK's and dV's columns between two warps
         return TcDkdvTileShape(32, 64, num_warps=4, warps_q=1, do_buffers=2 if large_smem else 1, out_split=1,
                                min_blocks_per_sm=1)
     if padded <= 64:
         return TcDkdvTileShape(32, 64, num_warps=8, warps_q=2, do_buffers=2 if large_smem else 1, out_split=1,
                                min_blocks_per_sm=1)
-    return TcDkdvTileShape(16, 64, num_warps=4, warps_q=1, do_buffers=2, out_split=2, min_blocks_per_sm=1)
+    return TcDkdvTileShape(32, 32, num_warps=4, warps_q=2, do_buffers=2, out_split=1, min_blocks_per_sm=1)
 
 
 def tc_dkdv_tile_shape(padded: int, large_smem: bool = False, block_sparse: bool = False, score_mod: bool = False,

@@ -247,10 +247,10 @@ __device__ __forceinline__ void gemm_abt_ss_f64(double (&C)[kMTiles][kNTiles][4]
 // bytes at a time (b_k: this lane's address, row 2t of the step at column g of the first n8 tile;
 // the 16 lanes of a load phase: 4 rows 2 apart, 32 bytes apart in the banks, by 4 columns: 16
 // distinct 8-byte bank pairs).
-template <typename Op, int kMTiles, int kNTiles, int kStrideB>
+template <typename Op, int kMTiles, int kNTiles, int kStrideB, int kUnroll = kNTiles>
 __device__ __forceinline__ void mma_k16_f64(double (&C)[kMTiles][kNTiles][4], const double (&a)[kMTiles][8],
                                             unsigned b_k) {
-#pragma unroll
+#pragma unroll kUnroll
     for (int nt = 0; nt < kNTiles; ++nt) {
         const unsigned row = b_k + nt * 8 * 8;
         const double b[4] = {load_shared_f64(row), load_shared_f64(row + kStrideB * 8),
@@ -310,7 +310,7 @@ __device__ __forceinline__ void gemm_ab_ss_f64(double (&C)[kMTiles][kNTiles][4],
                     load_shared_f64x2(row + 8 * 8, a[mt][4 + h], a[mt][6 + h]);
                 }
             }
-        mma_k16_f64<Op, kMTiles, kNTiles, kStrideB>(C, a, b0 + 16 * ks * kStrideB * 8);
+        mma_k16_f64<Op, kMTiles, kNTiles, kStrideB, 4>(C, a, b0 + 16 * ks * kStrideB * 8);
     }
 }
 
