@@ -44,6 +44,12 @@ def rng(request):
     replay = os.environ.get("CUPYFLASH_TEST_SEED")
     seed = int(replay) if replay else secrets.randbits(32)
     print(f"random seed for {request.node.name}: {seed}")
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        torch.manual_seed(seed)  # the torch tests' own draws (torch.randn) replay with the seed too
     return numpy.random.default_rng(seed)
 
 

@@ -249,9 +249,8 @@ def test_torch_adapter_reads_strided_views_in_place(rng, monkeypatch):
 
     monkeypatch.setattr(plan, "plan_forward", spy_forward)
     monkeypatch.setattr(plan, "plan_backward", spy_backward)
-    q0 = torch.randn(2, 3, 150, 64, device="cuda", dtype=torch.float64).to(torch.bfloat16)
-    kv0 = torch.randn(2, 190, 2, 3, 64, device="cuda", dtype=torch.float64).to(torch.bfloat16)
-    dout = torch.randn(2, 150, 3, 64, device="cuda", dtype=torch.float64).to(torch.bfloat16)
+    q0, kv0, dout = (torch.from_numpy(rng.standard_normal(s)).cuda().to(torch.bfloat16)
+                     for s in ((2, 3, 150, 64), (2, 190, 2, 3, 64), (2, 150, 3, 64)))
 
     def grads_of(fn, dt):
         q = q0.to(dt).transpose(1, 2).requires_grad_()  # (batch, seq, heads, dim) view, not contiguous
