@@ -1,6 +1,7 @@
 """A hash of each kernel build's machine code (SASS), to tell which builds a source edit changed.
 
-    python tools/sass_hashes.py OUT [--arch sm_80 --arch sm_90a] [--source sm90/fwd.cu ...] [--jobs N]
+    python tools/sass_hashes.py OUT [--arch sm_80 --arch sm_90a] [--source sm90/fwd.cu ...] [--dtype float64 ...]
+                                    [--jobs N]
 
 Compiles every instantiation (or those of the given sources) with NVRTC for each architecture, no
 GPU needed (runtime.compiler.compile_cubin), disassembles each cubin with nvdisasm (the
@@ -27,11 +28,11 @@ _ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
 _SYMBOL = re.compile(r"`\([^)]*\)")  # e.g. RET.REL.NODEC R10 `(_ZN9cupyflash...kernel...)
 
 
-def _builds(archs, sources) -> list[tuple[str, int]]:
+def _builds(archs, sources, dtypes) -> list[tuple[str, int]]:
     from cupyflash import catalog
 
     return [(arch, i) for arch in archs for i, k in enumerate(catalog.all_kernels(arch))
-            if not sources or k.source_file in sources]
+            if (not sources or k.source_file in sources) and (not dtypes or k.dtype_name in dtypes)]
 
 
 def _hash(job) -> str:
@@ -57,12 +58,13 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--arch", action="append", help="default: sm_80 and sm_90a")
     ap.add_argument("--source", action="append", help="only these kernel sources (relative to kernels/)")
+    ap.add_argument("--dtype", action="append", help="only these dtypes' builds (e.g. float64)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
     args = ap.parse_args(argv)
     if not args.nvdisasm:
         raise SystemExit("no nvdisasm on PATH: pass --nvdisasm (pip download nvidia-cuda-nvdisasm, unzip it)")
-    jobs = [(arch, i, args.nvdisasm) for arch, i in _builds(args.arch or ["sm_80", "sm_90a"], args.source)]
+    jobs = [(arch, i, args.nvdisasm) for arch, i in _builds(args.arch or ["sm_80", "sm_90a"], args.source, args.dtype)]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool, open(args.out, "w") as fh:
         for n, line in enumerate(pool.map(_hash, jobs, chunksize=4), 1):
             fh.write(line + "\n")
