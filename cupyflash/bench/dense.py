@@ -116,6 +116,27 @@ def time_torch_sdpa(peers, backend, pr, q, k, v, dout, max_seconds):
     return fwd, bwd
 
 
+def checked_run(pr, q, k, v, dout, peers):
+    """(passed, message, out, lse): cupyflash's forward and backward in the float32 precision in
+    effect, checked (check)."""
+    import cupyflash
+
+    out, lse = cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=pr.causal)
+    ok, message = check(pr, q, k, v, dout, out, grads, peers)
+    return ok, message, out, lse
+
+
+def time_cupyflash(pr, q, k, v, dout, out, lse, max_seconds):
+    """(fwd ms, bwd ms) of the public calls, in the float32 precision in effect."""
+    import cupyflash
+
+    fwd = common.median_ms(lambda: cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True), max_seconds)
+    bwd = common.median_ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=pr.causal),
+                           max_seconds)
+    return fwd, bwd
+
+
 def time_flex(peers, pr, q, k, v, dout, max_seconds):
     torch = peers.torch
     flex_attention, create_block_mask = peers.flex
@@ -124,7 +145,10 @@ def time_flex(peers, pr, q, k, v, dout, max_seconds):
     mask = None
     if pr.causal:
         mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, pr.seqlen, pr.seqlen)
-    out = flex_attention(tq, tk, tv, block_mask=mask)
+    try:
+        out = flex_attention(tq, tk, tv, block_mask=mask)
+    except RuntimeError as e:  # torch.compile's errors (Triton's float64 products, for one) are RuntimeErrors
+        return f"not supported: {str(e).splitlines()[0][:80]}"
     fwd = common.median_ms(lambda: flex_attention(tq, tk, tv, block_mask=mask), max_seconds)
     bwd = common.median_ms(lambda: torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True), max_seconds)
     return fwd, bwd
@@ -226,31 +250,19 @@ def main(argv=None) -> int:
         rs = cupy.random.default_rng(abs(hash(pr)) % 2**32)
         shape = (pr.batch, pr.seqlen, pr.heads, pr.head_dim)
         q, k, v, dout = (rs.standard_normal(shape, dtype=numpy.float32).astype(dt) for _ in range(4))
-        out, lse = cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True)
-        grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=pr.causal)
-        ok, message = check(pr, q, k, v, dout, out, grads, peers)
+        ok, message, out, lse = checked_run(pr, q, k, v, dout, peers)
         if not ok:
             failures.append(f"{pr}: {message}")
-        timings = {
-            "cupyflash": (
-                common.median_ms(lambda: cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True), args.max_seconds),
-                common.median_ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=pr.causal), args.max_seconds),
-            )
-        }
+        timings = {"cupyflash": time_cupyflash(pr, q, k, v, dout, out, lse, args.max_seconds)}
         checks = {"cupyflash": ("PASS " if ok else "FAIL ") + message}
         if pr.dtype == "float32":  # float32's other precisions (cupyflash.set_float32_precision)
             for precision in ("high", "medium"):
                 with cupyflash.float32_precision(precision):
-                    out_p, lse_p = cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True)
-                    grads_p = cupyflash.attention_backward(dout, q, k, v, out_p, lse_p, causal=pr.causal)
-                    ok_p, message_p = check(pr, q, k, v, dout, out_p, grads_p, peers)
+                    ok_p, message_p, out_p, lse_p = checked_run(pr, q, k, v, dout, peers)
                     checks[f"cupyflash-{precision}"] = ("PASS " if ok_p else "over ") + message_p
-                    del out_p, lse_p, grads_p
-                    timings[f"cupyflash-{precision}"] = (
-                        common.median_ms(lambda: cupyflash.attention(q, k, v, causal=pr.causal, return_lse=True),
-                                         args.max_seconds),
-                        common.median_ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse,
-                                                                              causal=pr.causal), args.max_seconds))
+                    timings[f"cupyflash-{precision}"] = time_cupyflash(pr, q, k, v, dout, out_p, lse_p,
+                                                                       args.max_seconds)
+                    del out_p, lse_p
         if peers.torch is not None:
             for backend in [*TORCH_BACKENDS, *(WIDE_BACKENDS if pr.dtype in ("float32", "float64") else ())]:
                 timings[f"torch-{backend}"] = time_torch_sdpa(peers, backend, pr, q, k, v, dout, args.max_seconds)
@@ -267,7 +279,7 @@ def main(argv=None) -> int:
                     "tflops": f"{pr.flops(direction) / ms / 1e9:.1f}" if ms else "",
                     "note": "" if ms else t, "check": checks.get(method, ""),
                 })
-        del q, k, v, dout, out, lse, grads
+        del q, k, v, dout, out, lse
         cupy.get_default_memory_pool().free_all_blocks()
 
     return common.finish(rows, failures, len(grid), args.out / stem, device, plot, print_table, matplotlib)
@@ -308,10 +320,12 @@ def plot(rows, path, device, matplotlib):
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["dtype"], int(r["head_dim"]), r["causal"] in (True, "True")) for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["tflops"]))  # timed at least once
+    color = {m: f"C{i % 10}" for i, m in enumerate(methods)}  # one color a method in every panel
     fig, axes = plt.subplots(len(panels), 2, figsize=(11, 2.8 * len(panels)), squeeze=False)
     for (dtype, d, causal), ax_row in zip(panels, axes):
         for direction, ax in zip(("fwd", "bwd"), ax_row):
-            for method in dict.fromkeys(r["method"] for r in rows):
+            for method in methods:
                 pts = sorted(
                     (int(r["seqlen"]), float(r["tflops"]))
                     for r in rows
@@ -319,13 +333,15 @@ def plot(rows, path, device, matplotlib):
                     and r["direction"] == direction and r["method"] == method and r["tflops"]
                 )
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=method, linewidth=2.5 if method == "cupyflash" else 1.2)
+                    ax.plot(*zip(*pts), marker="o", color=color[method],
+                            linewidth=2.5 if method == "cupyflash" else 1.2)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{direction} {dtype} d{d}{' causal' if causal else ''}", fontsize=9)
             ax.set_ylabel("TFLOP/s")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    handles = [plt.Line2D([], [], color=color[m], marker="o", label=m) for m in methods]
+    fig.legend(handles=handles, loc="upper right", fontsize=8)
     fig.suptitle(f"cupyflash vs peers on {device} (16k tokens, hidden 2048)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.84, 1 - 0.4 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
 
