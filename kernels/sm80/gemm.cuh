@@ -246,7 +246,7 @@ __device__ __forceinline__ void gemm_abt_ss_f64(double (&C)[kMTiles][kNTiles][4]
 // memory (row stride kStrideB doubles): slot i of B is its row of the same k at column g, read 8
 // bytes at a time (b_k: this lane's address, row 2t of the step at column g of the first n8 tile;
 // the 16 lanes of a load phase: 4 rows 2 apart, 32 bytes apart in the banks, by 4 columns: 16
-// distinct 8-byte bank pairs).
+// distinct 8-byte bank pairs). kUnroll: the n8 tiles unrolled together (default all).
 template <typename Op, int kMTiles, int kNTiles, int kStrideB, int kUnroll = kNTiles>
 __device__ __forceinline__ void mma_k16_f64(double (&C)[kMTiles][kNTiles][4], const double (&a)[kMTiles][8],
                                             unsigned b_k) {
@@ -310,6 +310,8 @@ __device__ __forceinline__ void gemm_ab_ss_f64(double (&C)[kMTiles][kNTiles][4],
                     load_shared_f64x2(row + 8 * 8, a[mt][4 + h], a[mt][6 + h]);
                 }
             }
+        // 4 n8 tiles at a time: fully unrolled, the d65-128 dK/dV tile (tiles.f64_dkdv_tile_shape)
+        // spills 24-72 bytes.
         mma_k16_f64<Op, kMTiles, kNTiles, kStrideB, 4>(C, a, b0 + 16 * ks * kStrideB * 8);
     }
 }
