@@ -77,7 +77,8 @@ class TcDecodeKernel(DecodeKernelBase):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeKernel(DecodeKernelBase):
-    """flash_decode_kernel (CUDA cores, every dtype): `tiles.decode_rows` packed rows per block."""
+    """flash_decode_kernel (CUDA cores, every dtype): `tiles.decode_rows` packed rows per block, a
+    key per lane, K staged through a ring of chunks per warp."""
 
     kernel_name = "flash_decode_kernel"
     traits_name = "DecodeTraits"
@@ -93,10 +94,19 @@ class DecodeKernel(DecodeKernelBase):
     def traits_args(self) -> tuple:
         return self.rows, DECODE_WARPS
 
+    k_stages = 3  # DecodeTraits::kKStages: each warp's ring of K chunks
+
     @functools.cached_property  # on every decoding step's launch path
     def smem_bytes(self) -> int:
-        # Mirrors DecodeTraits::kSmemBytes: Q [rows][d] in Accum, or the warps' merge.
-        return max(self.rows * self.head_dim * accum_itemsize(self.dtype_name), self.merge_bytes())
+        # Mirrors DecodeTraits::kSmemBytes: Q [rows][d] in Accum, then each warp's ring of K chunks
+        # (32 keys x up to 128 bytes of columns dividing d, padded by 16 bytes), or the warps' merge.
+        size = itemsize(self.dtype_name)
+        cols = 128 // size
+        while self.head_dim % cols:
+            cols //= 2
+        q_bytes = -(-self.rows * self.head_dim * accum_itemsize(self.dtype_name) // 16) * 16
+        ring_bytes = DECODE_WARPS * self.k_stages * 32 * (cols * size + 16)
+        return max(q_bytes + ring_bytes, self.merge_bytes())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,8 @@ def decode_kernel(d: DecodeProblem, info: devices.DeviceInfo, policy: policies.P
     """The decode kernel: the tensor-core one for 16-bit inputs on sm_80 and newer (where the policy
     lets the sm80 family serve); otherwise the CUDA-core one, staged through shared memory where a
     K/V head has one query row (multi-head attention, one new token: 1.06-2.3x the per-lane
-    kernel's bandwidth; with 4 and 16 rows it was the slower, docs/performance.md)."""
+    kernel's bandwidth while that read K from global memory, a key per lane; with 4 and 16 rows it
+    was the slower, docs/performance.md)."""
     p = d.attention
     tensor_cores = (p.dtype_name in TENSOR_CORE_DTYPES and info.compute_capability >= TENSOR_CORE_MIN_CC
                     and "sm80" in policy.families)

@@ -207,12 +207,26 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_decode_staged_kernel(c
 
 // ---------------------------------------------------------------------------- CUDA cores
 
+// Columns of K per chunk of the CUDA-core kernel's ring: up to 128 bytes of a key's row (a whole
+// line), a power of two dividing the head dim.
+template <typename Storage, int kHeadDim>
+__host__ __device__ constexpr int decode_k_chunk_cols() {
+    int cols = 128 / static_cast<int>(sizeof(Storage));
+    while (kHeadDim % cols != 0) cols /= 2;
+    return cols;
+}
+
 // kRows packed rows; each warp takes 32 keys of every tile of kBlockN = 32·kNWarps keys, one key
 // per lane for the scores, then the head dim's columns (lane, lane + 32, ...) for P V. Rows past
 // the valid ones are skipped by a warp-uniform branch (decoding often has a single row).
+// K reaches shared memory by chunks of a warp's 32 keys x kKCols columns, in a ring of kKStages
+// chunks per warp: the loads are whole lines, and each lane then reads its own key's row from
+// shared memory (read from global memory, a lane's 16 bytes of 32 different lines per load held
+// the kernel to 0.16-0.32 of a copy's bandwidth). V's rows are read across the lanes, coalesced.
 template <typename Element_, int kHeadDim_, int kRows_, int kNWarps_>
 struct DecodeTraits : DecodeLayout<Element_, kHeadDim_, kRows_, kNWarps_, 32 * kNWarps_> {
     using Base = DecodeLayout<Element_, kHeadDim_, kRows_, kNWarps_, 32 * kNWarps_>;
+    using Storage = typename Base::Storage;
     static constexpr int kColsPerLane = (kHeadDim_ + 31) / 32;
     // Keys whose V rows are loaded together: 32 words of registers (8 at d128 in float32), at
     // most 8 keys, one where a key takes 16 words (more spilled: 16 keys of d16 float32 at
@@ -220,13 +234,47 @@ struct DecodeTraits : DecodeLayout<Element_, kHeadDim_, kRows_, kNWarps_, 32 * k
     static constexpr int kVWords = kColsPerLane * static_cast<int>(sizeof(typename Base::Accum)) / 4;
     static constexpr int kVKeys = kVWords >= 16 ? 1 : (32 / kVWords < 8 ? 32 / kVWords : 8);
     static constexpr int kQBytes = kRows_ * kHeadDim_ * static_cast<int>(sizeof(typename Base::Accum));
-    static constexpr int kSmemBytes = kQBytes > Base::kMergeBytes ? kQBytes : Base::kMergeBytes;
+    static constexpr int kKCols = decode_k_chunk_cols<Storage, kHeadDim_>();
+    static constexpr int kKChunks = kHeadDim_ / kKCols;
+    // A key's chunk padded by 16 bytes: the 8 lanes of a 16-byte load's phase, 8 keys, then hit 8
+    // different bank groups (chunks of 32-128 bytes).
+    static constexpr int kKRowBytes = kKCols * static_cast<int>(sizeof(Storage)) + 16;
+    static constexpr int kKChunkBytes = 32 * kKRowBytes;
+    static constexpr int kKStages = 3;
+    static constexpr int kSmemKOffset = (kQBytes + 15) / 16 * 16;  // bytes: Q [kRows][kHeadDim] Accum, then the rings
+    static constexpr int kRingBytes = kSmemKOffset + kNWarps_ * kKStages * kKChunkBytes;
+    static constexpr int kSmemBytes = kRingBytes > Base::kMergeBytes ? kRingBytes : Base::kMergeBytes;
+    static_assert(Base::kWarpKeys == 32, "a key per lane");
+    static_assert(kKCols * static_cast<int>(sizeof(Storage)) >= 32, "chunks of 2 to 8 16-byte pieces a key");
     static_assert(kSmemBytes >= Base::kCombineBytes, "decode_combine_splits' weights fit in the block's shared memory");
 };
 
-// kScoreMod: as the tensor-core kernel's.
+// Chunk [key0, key0 + 32) x [col0, col0 + kKCols) of a warp's K into its ring slot s_chunk
+// ([32][kKRowBytes]) by cp.async, zero past keys_valid and head_dim: kPieces 16-byte pieces a key,
+// 32 / kPieces keys a pass, so each load instruction reads whole lines. k: the K/V head's first
+// row, 16-byte aligned with its row stride.
+template <typename Kt>
+__device__ __forceinline__ void load_decode_k_chunk(unsigned s_chunk, const typename Kt::Storage* k,
+                                                    long long row_stride, int key0, int keys_valid, int col0,
+                                                    int head_dim, int lane) {
+    constexpr int kSize = static_cast<int>(sizeof(typename Kt::Storage));
+    constexpr int kPieces = Kt::kKCols * kSize / 16;
+    constexpr int kKeysPerPass = 32 / kPieces;
+    const int piece = lane % kPieces, col = col0 + piece * (16 / kSize);
+#pragma unroll
+    for (int pass = 0; pass < kPieces; ++pass) {
+        const int key = lane / kPieces + pass * kKeysPerPass;
+        // Pieces past the keys or head_dim copy nothing from the head's first row (a safe address).
+        const int bytes = key < keys_valid ? max(0, min(16, (head_dim - col) * kSize)) : 0;
+        cp_async_16(s_chunk + key * Kt::kKRowBytes + piece * 16, k + (bytes > 0 ? (key0 + key) * row_stride + col : 0),
+                    bytes);
+    }
+}
+
+// kScoreMod: as the tensor-core kernel's. One block per SM as the launch bound: left to itself,
+// ptxas held d16-32 to 128 registers (d224 float64 to 168) and spilled beside the K ring.
 template <typename Kt, bool kScoreMod = false>
-__global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode_kernel(const DecodeParams params) {
+__global__ void __launch_bounds__(Kt::kNThreads, 1) flash_decode_kernel(const DecodeParams params) {
     using Accum = typename Kt::Accum;
     using Storage = typename Kt::Storage;
     using Numeric = typename Kt::Numeric;
@@ -255,9 +303,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
     }
     const int offset = seqlen_k - params.seqlen_q;  // query i sits at key position i + offset
     const bool modified = kScoreMod && decode_scores_modified(params);
-    constexpr int kVec = 16 / static_cast<int>(sizeof(Storage));
-    const bool k_vectors = params.head_dim % kVec == 0 && params.k_row_stride % kVec == 0 &&
-                           reinterpret_cast<unsigned long long>(k) % 16 == 0;
+    constexpr int kVec = 16 / static_cast<int>(sizeof(Storage)), kQVec = 16 / static_cast<int>(sizeof(Accum));
+    // K through the ring where its rows start on 16 bytes; otherwise each lane reads its key's
+    // row from global memory element by element.
+    const bool k_staged =
+        ((reinterpret_cast<unsigned long long>(k) | static_cast<unsigned long long>(params.k_row_stride * sizeof(Storage))) &
+         15) == 0;
+    const unsigned char* s_ring = smem + Kt::kSmemKOffset + warp * Kt::kKStages * Kt::kKChunkBytes;
+    const int chunks = (tiles.y - tiles.x) * Kt::kKChunks;  // the warp's chunks, tile by tile
+    const auto load_k_chunk = [&](int n) {  // chunk n into its slot (a group of its own, empty past the last)
+        if (n < chunks) {
+            const int key0 = (tiles.x + n / Kt::kKChunks) * Kt::kBlockN + warp * Kt::kWarpKeys;
+            load_decode_k_chunk<Kt>(smem_address(s_ring + n % Kt::kKStages * Kt::kKChunkBytes), k, params.k_row_stride,
+                                    key0, seqlen_k - key0, n % Kt::kKChunks * Kt::kKCols, params.head_dim, lane);
+        }
+        cp_async_commit();
+    };
+    if (k_staged)
+        for (int n = 0; n < Kt::kKStages - 1; ++n) load_k_chunk(n);
     for (int t = tiles.x; t < tiles.y; ++t) {
         const int col0 = t * Kt::kBlockN + warp * Kt::kWarpKeys;
         const int keys = min(Kt::kWarpKeys, seqlen_k - col0);  // may be <= 0 in the last tile
@@ -266,25 +329,45 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
         Accum S[Kt::kRows];
 #pragma unroll
         for (int r = 0; r < Kt::kRows; ++r) S[r] = Accum(0);
-        if (lane < keys) {
+        if (k_staged) {  // every lane: keys past `keys` are zero rows, masked below
+            const int n0 = (t - tiles.x) * Kt::kKChunks;
+#pragma unroll 1
+            for (int ch = 0; ch < Kt::kKChunks; ++ch) {
+                cp_async_wait<Kt::kKStages - 2>();
+                __syncwarp();  // chunk n0 + ch has landed for every lane; every lane is done with the slot reloaded now
+                load_k_chunk(n0 + ch + Kt::kKStages - 1);
+                // The key's chunk in registers, then each valid row's product with it: a row loop
+                // inside the column loop issued the invalid rows' FMAs too, predicated off (12 of
+                // 16 with a GQA group of 4), and a shared load per FMA.
+                const Storage* row = reinterpret_cast<const Storage*>(s_ring + (n0 + ch) % Kt::kKStages * Kt::kKChunkBytes +
+                                                                      lane * Kt::kKRowBytes);
+                Accum x[Kt::kKCols];
+#pragma unroll
+                for (int c = 0; c < Kt::kKCols; c += kVec) {
+                    const Vec<Storage, kVec> chunk = load_vec<kVec>(row + c);
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) x[c + e] = Numeric::to_accum(chunk.x[e]);
+                }
+#pragma unroll
+                for (int r = 0; r < Kt::kRows; ++r) {
+                    if (r >= rows_valid) break;
+                    const Accum* q = sQ + r * Kt::kHeadDim + ch * Kt::kKCols;
+#pragma unroll
+                    for (int c = 0; c < Kt::kKCols; c += kQVec) {
+                        const Vec<Accum, kQVec> qc = load_vec<kQVec>(q + c);
+#pragma unroll
+                        for (int e = 0; e < kQVec; ++e) S[r] += qc.x[e] * x[c + e];
+                    }
+                }
+            }
+        } else if (lane < keys) {
             const Storage* k_row = k + key * params.k_row_stride;
-            const auto add_column = [&](int c, Storage element) {
-                const Accum x = Numeric::to_accum(element);
+#pragma unroll 4
+            for (int c = 0; c < params.head_dim; ++c) {
+                const Accum x = Numeric::to_accum(k_row[c]);
 #pragma unroll
                 for (int r = 0; r < Kt::kRows; ++r)
                     if (r < rows_valid) S[r] += sQ[r * Kt::kHeadDim + c] * x;
-            };
-            if (k_vectors) {  // 16 bytes per load: a quarter of the load instructions for float32
-#pragma unroll 2
-                for (int c = 0; c < params.head_dim; c += kVec) {
-                    const uint4 raw = *reinterpret_cast<const uint4*>(k_row + c);
-                    const Storage* elements = reinterpret_cast<const Storage*>(&raw);
-#pragma unroll
-                    for (int e = 0; e < kVec; ++e) add_column(c + e, elements[e]);
-                }
-            } else {
-#pragma unroll 4
-                for (int c = 0; c < params.head_dim; ++c) add_column(c, k_row[c]);
             }
         }
         // Mask, then the online softmax of each row over the warp's 32 keys.
@@ -325,17 +408,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, kScoreMod ? 1 : 0) flash_decode
                 }
             }
 #pragma unroll
-            for (int u = 0; u < Kt::kVKeys; ++u)
+            for (int r = 0; r < Kt::kRows; ++r) {  // the valid rows only, as the scores'
+                if (r >= rows_valid) break;
 #pragma unroll
-                for (int r = 0; r < Kt::kRows; ++r) {
-                    if (r >= rows_valid) continue;
+                for (int u = 0; u < Kt::kVKeys; ++u) {
                     const Accum p = __shfl_sync(0xffffffffu, S[r], kk0 + u);
 #pragma unroll
                     for (int j = 0; j < Kt::kColsPerLane; ++j) O[r][j] += p * x[u][j];
                 }
+            }
         }
     }
-    __syncthreads();  // the merge below overwrites Q
+    cp_async_wait<0>();  // the groups past the last chunk are empty, but counted
+    __syncthreads();  // the merge below overwrites Q and the rings
 
     Accum* sM = reinterpret_cast<Accum*>(smem);
     Accum* sL = sM + Kt::kNWarps * Kt::kRows;
