@@ -138,7 +138,8 @@ def test_decode_instantiations_cover_every_dtype_and_head_dim():
     kernels = [k for k in catalog.all_kernels() if isinstance(k, DecodeKernelBase)]
     for name in DTYPE_NAMES:
         for d in PADDED_HEAD_DIMS:
-            assert catalog.decode_kernel(name, d) in kernels
+            for rows in (2, 4, 5, 8, 16):
+                assert catalog.decode_kernel(name, d, rows=rows) in kernels
             assert catalog.decode_kernel(name, d, one_row=True, score_mod=True) in kernels
             if name in TENSOR_CORE_DTYPES:
                 assert catalog.decode_kernel(name, d, tensor_cores=True) in kernels
@@ -164,8 +165,20 @@ def test_one_row_per_kv_head_takes_the_staged_cuda_core_kernel():
             causal=False, scale=None, return_lse=True, window=None, softcap=None)
         kernel = planner.decode_kernel(DecodeProblem(p, 0, None, None), a100, current())
         assert type(kernel) is kind, (dtype, heads_kv, seqlen_q)
+        if kind is DecodeKernel:  # built for the fewest rows that hold the K/V head's rows
+            assert kernel.rows == max(4, seqlen_q * 8 // heads_kv), (dtype, heads_kv, seqlen_q, kernel.rows)
     for d in PADDED_HEAD_DIMS:  # every staged build fits an A100's shared memory
         assert all(DecodeStagedKernel(name, d).smem_bytes <= a100.smem_per_block for name in DTYPE_NAMES)
+
+
+def test_cuda_core_decode_builds_for_the_fewest_rows_that_hold_them():
+    from cupyflash.catalog.decode import DecodeKernel
+
+    assert [catalog.decode_kernel("float32", 128, rows=r).rows for r in (2, 4, 5, 8, 9, 16)] == [4, 4, 8, 8, 16, 16]
+    assert catalog.decode_kernel("float64", 128, rows=16).rows == 8  # at most tiles.decode_rows
+    assert DecodeKernel("float64", 128) == DecodeKernel("float64", 128, rows=8)
+    with pytest.raises(ValueError, match="no 16-row CUDA-core decode build for float64 d128"):
+        DecodeKernel("float64", 128, rows=16)
 
 
 @pytest.mark.cpu_only

@@ -77,8 +77,11 @@ class TcDecodeKernel(DecodeKernelBase):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeKernel(DecodeKernelBase):
-    """flash_decode_kernel (CUDA cores, every dtype): `tiles.decode_rows` packed rows per block, a
+    """flash_decode_kernel (CUDA cores, every dtype): `rows` packed rows per block (one of
+    tiles.DECODE_ROW_BLOCKS below tiles.decode_rows, or that: tiles.decode_row_block picks it), a
     key per lane, K staged through a ring of chunks per warp."""
+
+    rows: int = 0  # 0: the most, tiles.decode_rows
 
     kernel_name = "flash_decode_kernel"
     traits_name = "DecodeTraits"
@@ -86,9 +89,12 @@ class DecodeKernel(DecodeKernelBase):
     source_file = "decode/cuda_cores.cu"
     block_n = 32 * DECODE_WARPS
 
-    @property
-    def rows(self) -> int:
-        return tiles.decode_rows(self.dtype_name, self.head_dim)
+    def __post_init__(self):
+        most = tiles.decode_rows(self.dtype_name, self.head_dim)
+        if self.rows == 0:
+            object.__setattr__(self, "rows", most)
+        elif self.rows != most and (self.rows not in tiles.DECODE_ROW_BLOCKS or self.rows > most):
+            raise ValueError(f"no {self.rows}-row CUDA-core decode build for {self.dtype_name} d{self.head_dim}")
 
     @property
     def traits_args(self) -> tuple:

@@ -165,14 +165,16 @@ def bwd_row_kernel(step: str, dtype_name: str, seqlen_q: int) -> BwdRowKernel:
 
 
 def decode_kernel(dtype_name: str, head_dim: int, tensor_cores: bool = False, score_mod: bool = False,
-                  one_row: bool = False):
+                  one_row: bool = False, rows: int = 16):
     """The decode kernel: TcDecodeKernel with tensor_cores (16-bit only), else DecodeStagedKernel
-    for one row per K/V head (one_row) and DecodeKernel for more; their score-modifier (softcap,
-    ALiBi) instantiation with score_mod."""
+    for one row per K/V head (one_row) and DecodeKernel for more, built for `rows` rows a K/V head
+    (tiles.decode_row_block); their score-modifier (softcap, ALiBi) instantiation with score_mod."""
     if tensor_cores and dtype_name not in tiles.TENSOR_CORE_DTYPES:
         raise Unavailable(f"the tensor-core decode kernel takes float16 or bfloat16, not {dtype_name}")
-    kind = TcDecodeKernel if tensor_cores else DecodeStagedKernel if one_row else DecodeKernel
-    return kind(dtype_name, tiles.padded_head_dim(head_dim), score_mod)
+    d = tiles.padded_head_dim(head_dim)
+    if tensor_cores or one_row:
+        return (TcDecodeKernel if tensor_cores else DecodeStagedKernel)(dtype_name, d, score_mod)
+    return DecodeKernel(dtype_name, d, score_mod, tiles.decode_row_block(dtype_name, d, rows))
 
 
 def _wide_kernels(dtype_name: str, head_dim: int, variant: Variant) -> list:
@@ -245,8 +247,8 @@ def _attention_kernels() -> list:
 
 
 def _decode_kernels() -> list:
-    kernels = [DecodeKernel(name, d, mod) for name in tiles.DTYPE_NAMES for d in tiles.PADDED_HEAD_DIMS
-               for mod in (False, True)]
+    kernels = [DecodeKernel(name, d, mod, tiles.decode_row_block(name, d, rows)) for name in tiles.DTYPE_NAMES
+               for d in tiles.PADDED_HEAD_DIMS for mod in (False, True) for rows in tiles.DECODE_ROW_BLOCKS]
     kernels += [TcDecodeKernel(name, d, mod) for name in tiles.TENSOR_CORE_DTYPES for d in tiles.PADDED_HEAD_DIMS
                 for mod in (False, True)]
     kernels += [DecodeStagedKernel(name, d, mod) for name in tiles.DTYPE_NAMES for d in tiles.PADDED_HEAD_DIMS

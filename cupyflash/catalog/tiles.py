@@ -355,7 +355,19 @@ def wgmma_dkdv_tile_shape(padded: int, score_mod: bool = False) -> TcDkdvTileSha
 
 
 def decode_rows(dtype_name: str, padded: int) -> int:
-    """Packed rows per block of the CUDA-core decode kernel: each lane holds rows x ceil(d / 32)
-    output accumulators, kept to 64 32-bit registers."""
+    """The most packed rows per block of the CUDA-core decode kernel: each lane holds rows x
+    ceil(d / 32) output accumulators, kept to 64 32-bit registers."""
     words = accum_itemsize(dtype_name) // 4 * -(-padded // 32)
     return min(16, 64 // words)
+
+
+# Packed rows per block the CUDA-core decode kernel is built for.
+DECODE_ROW_BLOCKS = (4, 8, 16)
+
+
+def decode_row_block(dtype_name: str, padded: int, rows: int) -> int:
+    """Packed rows per block of the CUDA-core decode kernel for `rows` rows a K/V head (seqlen_q x
+    the GQA group): the fewest of DECODE_ROW_BLOCKS that hold them, at most decode_rows. Unused
+    rows cost registers, which set the blocks an SM holds (float32 d128: 144 at 4 rows, 208 at 16)."""
+    most = decode_rows(dtype_name, padded)
+    return min(most, next((b for b in DECODE_ROW_BLOCKS if b >= rows), most))

@@ -28,8 +28,8 @@ def decode_kernel(d: DecodeProblem, info: devices.DeviceInfo, policy: policies.P
     p = d.attention
     tensor_cores = (p.dtype_name in TENSOR_CORE_DTYPES and info.compute_capability >= TENSOR_CORE_MIN_CC
                     and "sm80" in policy.families)
-    one_row = p.seqlen_q * p.kv_group == 1
-    return catalog_decode_kernel(p.dtype_name, p.head_dim, tensor_cores, p.score_mod, one_row)
+    rows = p.seqlen_q * p.kv_group
+    return catalog_decode_kernel(p.dtype_name, p.head_dim, tensor_cores, p.score_mod, rows == 1, rows)
 
 
 def device_slots(info: devices.DeviceInfo, kernel) -> int:
