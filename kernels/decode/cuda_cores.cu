@@ -271,22 +271,10 @@ __device__ __forceinline__ void load_decode_k_chunk(unsigned s_chunk, const type
     }
 }
 
-// The launch bound: on sm_90, four blocks per SM for float32's 4-row builds without score
-// modifiers (at 128 registers, from 144; an H100's shared memory fits four, an A100's two), one
-// for the others. Left to itself, ptxas held d16-32 to 128 registers (d224 float64 to 168) and
-// spilled beside the K ring; at four blocks the 16-bit and score-modifier builds spill, and sm_80's
-// d128-160. kScoreMod: as the tensor-core kernel's.
-template <typename Kt>
-__host__ __device__ constexpr int decode_min_blocks(bool score_mod) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return !score_mod && Kt::kRows <= 4 && sizeof(typename Kt::Storage) == 4 ? 4 : 1;
-#else
-    return 1;
-#endif
-}
-
+// kScoreMod: as the tensor-core kernel's. One block per SM as the launch bound: left to itself,
+// ptxas held d16-32 to 128 registers (d224 float64 to 168) and spilled beside the K ring.
 template <typename Kt, bool kScoreMod = false>
-__global__ void __launch_bounds__(Kt::kNThreads, decode_min_blocks<Kt>(kScoreMod)) flash_decode_kernel(const DecodeParams params) {
+__global__ void __launch_bounds__(Kt::kNThreads, 1) flash_decode_kernel(const DecodeParams params) {
     using Accum = typename Kt::Accum;
     using Storage = typename Kt::Storage;
     using Numeric = typename Kt::Numeric;
