@@ -336,9 +336,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_decode_kernel(const De
                 cp_async_wait<Kt::kKStages - 2>();
                 __syncwarp();  // chunk n0 + ch has landed for every lane; every lane is done with the slot reloaded now
                 load_k_chunk(n0 + ch + Kt::kKStages - 1);
-                // The key's chunk in registers, then each valid row's product with it: a row loop
-                // inside the column loop issued the invalid rows' FMAs too, predicated off (12 of
-                // 16 with a GQA group of 4), and a shared load per FMA.
+                // The key's chunk in registers, then each valid row's product with it. (With the
+                // row loop inside the column loop, the invalid rows' FMAs issue predicated off, 12
+                // of 16 for a GQA group of 4 in a 16-row build, each with a shared load.)
                 const Storage* row = reinterpret_cast<const Storage*>(s_ring + (n0 + ch) % Kt::kKStages * Kt::kKChunkBytes +
                                                                       lane * Kt::kKRowBytes);
                 Accum x[Kt::kKCols];
