@@ -21,6 +21,14 @@ def test_within_bounds_scores_each_result_against_the_rule(rng):
     assert not ok and f"dk {1.1 * bound:.1e}/{bound:.1e}" in message
 
 
+def test_within_bounds_fails_a_nan_the_reference_does_not_have(rng):
+    exact = rng.standard_normal((16, 8))
+    got = exact.copy()
+    got[2, 3] = numpy.nan
+    ok, message = common.within_bounds([("out", got, exact, exact)], "float32")
+    assert not ok and message.startswith("out nan/")
+
+
 def test_within_bounds_takes_16_bit_results():
     import ml_dtypes
 

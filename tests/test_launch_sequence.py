@@ -20,6 +20,10 @@ from cupyflash.runtime import device as devices
 from cupyflash.runtime import tma, workspace
 from cupyflash.validation import BFLOAT16
 
+# The stand-in device replaces CuPy's allocators and streams: on an install without the CUDA extra
+# there is no CuPy to stand in for.
+pytest.importorskip("cupy", reason="CuPy is not installed (the CUDA extra)")
+
 
 class StandIn:
     """A CuPy array's face, as plan_backward reads it: shape, strides, dtype, an address of its
