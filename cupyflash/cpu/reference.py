@@ -14,6 +14,7 @@ return_lse=True, float64 `lse` of shape (batch, heads, seqlen_q).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy
@@ -23,6 +24,19 @@ from cupyflash.block_mask import checked_for
 from cupyflash.cpu import philox
 
 LOG2E = math.log2(math.e)  # log2(e): exp(x) = exp2(x * log2(e))
+
+
+def propagating(function):
+    """function with NumPy's warnings for invalid values and log(0) off: NaN and inf in the inputs
+    propagate to the results as in the definition, and rows with no key take log(0) = -inf, with
+    no warning (as CuPy's and the kernels' arithmetic)."""
+
+    @functools.wraps(function)
+    def quiet(*args, **kwargs):
+        with numpy.errstate(invalid="ignore", divide="ignore"):
+            return function(*args, **kwargs)
+
+    return quiet
 
 
 def as_float64(x):
@@ -241,6 +255,7 @@ def _materialised_attention(q, k, v, p, compute, rounding, keep=None):
     return out.transpose(0, 2, 1, 3).astype(numpy.float64), lse[..., 0].astype(numpy.float64)
 
 
+@propagating
 def _materialised_forward(q, k, v, p, compute, rounding, keep=None):
     """(out, lse, probs, derivative, dropped) in (batch, heads, seq, ...) layout, in `compute`
     precision; derivative: the score modifiers' (`modify_scores`), None without a softcap; dropped:
@@ -263,11 +278,12 @@ def _materialised_forward(q, k, v, p, compute, rounding, keep=None):
     m_safe = numpy.where(numpy.isneginf(m), 0.0, m).astype(compute)  # no-key rows: all-zero weights
     weights = numpy.exp(scores - m_safe)
     l = weights.sum(axis=-1, keepdims=True)
-    probs = rounded(numpy.divide(weights, l, out=numpy.zeros_like(weights), where=l > 0))
+    # l = 0 only where no key is visible; a NaN (a NaN or inf score) stays NaN in out and lse.
+    seen = l != 0
+    probs = rounded(numpy.divide(weights, l, out=numpy.zeros_like(weights), where=seen))
     dropped = probs if keep is None else rounded(numpy.where(keep, probs * compute(philox.rescale(p.dropout_p)), 0.0))
     out = rounded(dropped @ vh)
-    with numpy.errstate(divide="ignore"):
-        lse = numpy.where(l > 0, m_safe + numpy.log(l), -numpy.inf)
+    lse = numpy.where(seen, m_safe + numpy.log(l), -numpy.inf)
     return out, lse, probs, derivative, dropped
 
 
@@ -417,6 +433,7 @@ def prepare_backward(dout, q, k, v, causal, scale, block_mask=None, window=None,
     return p, dout, q, k, v
 
 
+@propagating
 def _materialised_backward(dout, q, k, v, p, compute, rounding, keep=None):
     def rounded(x):
         return x if rounding is None else x.astype(rounding).astype(compute)

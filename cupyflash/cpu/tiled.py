@@ -13,6 +13,7 @@ from cupyflash.catalog import tiles
 from cupyflash.cpu import philox, reference
 
 
+@reference.propagating
 def tiled_attention(
     q, k, v, *, causal=False, scale=None, return_lse=False, block_m=None, block_n=None, block_mask=None, window=None,
     softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0, compute=numpy.float64,
@@ -66,13 +67,13 @@ def tiled_attention(
                 o_i = o_i * rescale + p_ij @ vh[bs, hs, col0 : col0 + cols]
                 m_i = m_new
             # Epilogue: one final rescale of O_i (and dropout's 1 / (1 - p)), lse written once; rows
-            # that saw no key get 0 / -inf.
+            # that saw no key (l_i = 0) get 0 / -inf, rows that saw a NaN score (l_i NaN) NaN.
+            seen = l_i != 0
             o_i = numpy.divide(o_i * compute(philox.rescale(p.dropout_p)), l_i, out=numpy.zeros_like(o_i),
-                               where=l_i > 0)
+                               where=seen)
             out[bs, row0 : row0 + rows, hs] = o_i.transpose(0, 2, 1, 3)
-            with numpy.errstate(divide="ignore"):
-                lse[bs, hs, row0 : row0 + rows] = numpy.where(l_i > 0, m_i / compute(reference.LOG2E) + numpy.log(l_i),
-                                                              -numpy.inf)[..., 0]
+            lse[bs, hs, row0 : row0 + rows] = numpy.where(seen, m_i / compute(reference.LOG2E) + numpy.log(l_i),
+                                                          -numpy.inf)[..., 0]
     return (out, lse) if p.return_lse else out
 
 
@@ -172,6 +173,7 @@ def query_tiles(p, slab, col0: int, cols: int, block_m: int) -> list[int]:
     return sparse_tiles(index[c], int(count[c]), index.shape[-1], bq // block_m, lo, hi)
 
 
+@reference.propagating
 def tiled_attention_backward(
     dout, q, k, v, out, lse, *, causal=False, scale=None, block_m=None, block_n=None, block_mask=None, window=None,
     softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, dropout_batch_start=0, compute=numpy.float64,

@@ -266,7 +266,8 @@ def _probabilities(q, k, dropout, scale, causal, window, softcap, alibi_slopes, 
         block_max = torch.stack([s.amax(-1) for s in scores.split(width, dim=-1)], dim=-1)
         running = block_max.flip(-1).cummax(-1).values.flip(-1)
         running = running.repeat_interleave(width, dim=-1)[..., :seqlen_k]
-        unnormalised = torch.exp(scores - running).nan_to_num(0.0)
+        # Hidden keys get 0 (where exp(-inf - -inf) is NaN); a NaN score stays NaN.
+        unnormalised = torch.exp(scores - running).masked_fill(hidden[:, None], 0.0)
         keep = cupyflash.dropout_mask(batch, heads, seqlen_q, seqlen_k, **dropout, device=q.is_cuda)
         keep = torch.from_dlpack(keep) if q.is_cuda else torch.from_numpy(keep)
         probabilities = torch.where(keep.to(q.device), unnormalised, -unnormalised).to(q.dtype)

@@ -88,6 +88,11 @@ template <> __device__ __forceinline__ double neg_inf<double>() {
 
 template <typename T> __device__ __forceinline__ T pos_inf() { return -neg_inf<T>(); }
 
+// Whether a row's sum of probabilities l_i says that it saw a key: l_i = 0 only when every key was
+// hidden (output 0, lse -inf). A NaN score makes l_i NaN, for which l_i > 0 would be false too and
+// turn a NaN in the inputs into output 0 and lse -inf; here it stays NaN in both.
+template <typename T> __device__ __forceinline__ bool saw_keys(T l) { return l != T(0); }
+
 template <typename T> __device__ __forceinline__ T shfl_xor(T x, int lane_mask) {
     return __shfl_xor_sync(0xffffffffu, x, lane_mask);
 }

@@ -162,9 +162,9 @@ __device__ __forceinline__ void decode_merge_and_store(const DecodeParams& param
             for (int e = 0; e < kVec; ++e) o.x[e] += weight * x.x[e];
         }
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) o.x[e] = l > Accum(0) ? o.x[e] / l : Accum(0);
+        for (int e = 0; e < kVec; ++e) o.x[e] = saw_keys(l) ? o.x[e] / l : Accum(0);
         const int query = row / params.kv_group, head = kv_head * params.kv_group + row % params.kv_group;
-        const Accum lse = l > Accum(0) ? m * Accum(kLn2) + log_(l) : neg_inf<Accum>();
+        const Accum lse = saw_keys(l) ? m * Accum(kLn2) + log_(l) : neg_inf<Accum>();
         const long long row_idx = (static_cast<long long>(batch_idx) * params.heads + head) * params.seqlen_q + query;
         if (params.num_splits == 1) {
             Storage* out = static_cast<Storage*>(params.o) + batch_idx * params.o_batch_stride +

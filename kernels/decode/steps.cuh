@@ -137,9 +137,9 @@ __device__ __forceinline__ void decode_combine_splits(const DecodeParams& params
                         sum += w;
                     }
                     sum = warp_sum(sum);
-                    inv_sum = sum > Accum(0) ? Accum(1) / sum : Accum(0);
+                    inv_sum = saw_keys(sum) ? Accum(1) / sum : Accum(0);
                     if (lane == 0)
-                        static_cast<Accum*>(params.lse)[row_idx] = sum > Accum(0) ? m_safe + log_(sum) : neg_inf<Accum>();
+                        static_cast<Accum*>(params.lse)[row_idx] = saw_keys(sum) ? m_safe + log_(sum) : neg_inf<Accum>();
                     __syncwarp();  // the weights are in shared memory
                 }
 #pragma unroll

@@ -207,7 +207,7 @@ __device__ __forceinline__ void accumulate_pv(
 }
 
 // Algorithm 1, lines 12-14: O_i = O_i / l_i and lse_i = m_i + log(l_i), written once. A row that
-// saw no key (l_i = 0) gets output 0 and lse -inf. kRescale: O_i times out_scale as well (dropout's
+// saw no key (l_i = 0) gets output 0 and lse -inf; a NaN stays NaN (saw_keys). kRescale: O_i times out_scale as well (dropout's
 // 1 / (1 - p)); without it the code is exactly what it was before dropout existed (a division of a
 // runtime 1 instead of the constant changed NVRTC's code and spilled some kernels).
 template <typename Kt, bool kRescale = false>
@@ -223,7 +223,7 @@ __device__ __forceinline__ void epilogue(
         const Accum l_row = row_allreduce<Kt>(l[i], [](Accum a, Accum b) { return a + b; });
         const int row = row0 + ty * Kt::kRowsPerThread + i;
         if (row >= params.seqlen_q) continue;
-        const Accum inv_l = l_row > Accum(0) ? (kRescale ? out_scale / l_row : Accum(1) / l_row) : Accum(0);
+        const Accum inv_l = saw_keys(l_row) ? (kRescale ? out_scale / l_row : Accum(1) / l_row) : Accum(0);
         Storage* o_row = o + batch_idx * params.o_batch_stride + row * params.o_row_stride +
                          head_idx * params.o_head_stride;
 #pragma unroll
@@ -238,7 +238,7 @@ __device__ __forceinline__ void epilogue(
             // m_i is in log2 units (scores were prescaled by log2(e)).
             // In double: the backward rebuilds every P_ij = exp(S_ij - lse_i) of the row from it,
             // so its rounding error becomes a relative error common to the whole row.
-            const Accum lse = l_row > Accum(0)
+            const Accum lse = saw_keys(l_row)
                                   ? static_cast<Accum>(static_cast<double>(m[i]) * kLn2 + log(static_cast<double>(l_row)))
                                   : neg_inf<Accum>();
             // Kept in Accum precision: the backward pass recomputes P_ij = exp(S_ij - lse_i) from it.

@@ -445,7 +445,7 @@ __device__ __forceinline__ void normalize_rows(const FwdParams& params, T (&O)[K
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const T l_row = quad_sum(l[mt][h]);
-            inv_l[mt][h] = l_row > T(0) ? (kRescale ? out_scale / l_row : reciprocal_of_row_sum(l_row)) : T(0);
+            inv_l[mt][h] = saw_keys(l_row) ? (kRescale ? out_scale / l_row : reciprocal_of_row_sum(l_row)) : T(0);
             // In float (one rounding more than the scalar kernel's double form: an ulp of lse, far
             // below the 16-bit rounding of the P_ij that the backward rebuilds from it). A row with
             // no key (l = 0) gets -inf from log(0) whatever its m: no select, which the compiler
