@@ -217,7 +217,11 @@ def backward_gpu(dout, q, k, v, out, lse, p: AttentionProblem, grads=None):
             dk, dv = ((cupy.zeros if p.seqlens_k is not None else empty)(x.shape, x.dtype) for x in (k, v))
         else:
             dq, dk, dv = grads
-        launch.run(planner.plan_backward(p, dout, q, k, v, out, lse, dq, dk, dv))
+        if q.size == 0 or k.size == 0:  # no query, or no key: every gradient is 0 (and no grid of 0 blocks)
+            for g in (dq, dk, dv):
+                g.fill(0)
+        else:
+            launch.run(planner.plan_backward(p, dout, q, k, v, out, lse, dq, dk, dv))
     return dq, dk, dv
 
 

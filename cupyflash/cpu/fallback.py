@@ -24,7 +24,8 @@ def _tiled(function, p: AttentionProblem, batch: int | None = None):
     """`function` (tiled_attention or its backward) with the fallback's compute dtype and tiles for
     the problem (batch: entries a call takes at once, p.batch unless said)."""
     compute = numpy.float64 if p.dtype_name == "float64" else numpy.float32
-    block_m = max(16, min(256, TILE_SCORES // ((batch or p.batch) * p.heads * BLOCK_N)))
+    rows = max(1, (p.batch if batch is None else batch) * p.heads)  # (zero-size problems: any tile)
+    block_m = max(16, min(256, TILE_SCORES // (rows * BLOCK_N)))
     return functools.partial(function, compute=compute, block_m=block_m, block_n=BLOCK_N)
 
 
