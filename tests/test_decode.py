@@ -171,6 +171,19 @@ def test_one_row_per_kv_head_takes_the_staged_cuda_core_kernel():
         assert all(DecodeStagedKernel(name, d).smem_bytes <= a100.smem_per_block for name in DTYPE_NAMES)
 
 
+def test_decoding_before_sm_80_is_refused_saying_why():
+    from cupyflash.dispatch import decode as planner
+    from cupyflash.dispatch.policy import current
+    from cupyflash.problem import DecodeProblem
+    from cupyflash.runtime.device import described
+
+    p = validation.check_attention_args(numpy.zeros((1, 1, 8, 64), numpy.float16),
+                                        *(numpy.zeros((1, 100, 8, 64), numpy.float16),) * 2,
+                                        causal=False, scale=None, return_lse=True, window=None, softcap=None)
+    with pytest.raises(ValueError, match="attention_decode needs sm_80 or newer.*sm_75"):
+        planner.decode_kernel(DecodeProblem(p, 0, None, None), described(75), current())
+
+
 def test_cuda_core_decode_builds_for_the_fewest_rows_that_hold_them():
     from cupyflash.catalog.decode import DecodeKernel
 

@@ -233,7 +233,7 @@ def test_a_family_left_out_and_a_device_too_small():
     assert next(c.reason for c in forward.choices if c.family == "sm90") == "left out by the policy"
     p, q, k = problem(256, dtype="float64")
     small = dataclasses.replace(A100, smem_per_block=48 * 1024)
-    with pytest.raises(ValueError, match="no kernel fits"):
+    with pytest.raises(ValueError, match="no kernel serves it"):
         plan.decide_forward(p, small, Policy(), layouts(q, k)[0])
 
 
@@ -331,3 +331,29 @@ def test_decode_splits_fill_the_gpu_by_the_critical_path():
     splits = choose_splits(8, 128, 132)  # one sequence, 8 K/V heads, 8192 keys of 64
     assert 1 < splits <= 128 // 4 and 8 * splits <= 4 * 132
     assert choose_splits(8, 128, 132, Policy(decode_full_wave=0.01)) == 1
+
+
+def test_explain_knows_each_architectures_shared_memory():
+    """compute_capability takes the architectures' own limits (a T4 has 64 KB a block, an A40 99 KB,
+    an A100 163 KB) and refuses one it does not know, naming the argument."""
+    assert described(75).smem_per_block == 64 * 1024 and described(86).smem_per_block == 99 * 1024
+    assert described(80).smem_per_block == 163 * 1024 and described(90).sm_count == 132
+    q = numpy.zeros((1, 64, 2, 128), numpy.float32)
+    with pytest.raises(ValueError, match="compute_capability must be one of 70, 72, 75, 80"):
+        cupyflash.explain(q, q, q, compute_capability=0)
+
+
+def test_bfloat16_before_sm_80_is_refused_before_any_launch():
+    p, q, k = problem(128, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"bfloat16's conversions need sm_80 or newer; the device is sm_75"):
+        plan.decide_forward(p, described(75), Policy(), layouts(q, k)[0])
+    p, q, k = problem(32, dtype="float16")
+    assert plan.decide_forward(p, described(75), Policy(), layouts(q, k)[0]).kernel.family == "scalar"
+
+
+def test_float32_head_dim_256_needs_an_a100s_shared_memory():
+    p, q, k = problem(256, dtype="float32")
+    for small in (75, 86):  # 64 KB and 99 KB a block
+        with pytest.raises(ValueError, match="shared memory a block, the device has .*smaller head_dim"):
+            plan.decide_forward(p, described(small), Policy(), layouts(q, k)[0])
+    assert plan.decide_forward(p, described(80), Policy(), layouts(q, k)[0]).kernel.family == "scalar"

@@ -44,7 +44,7 @@ def explain(
     if validation.check_flag(deterministic, "deterministic"):
         p = dataclasses.replace(p, deterministic=True)
     if compute_capability is not None:
-        info = devices.described(validation.check_count(compute_capability, "compute_capability", 1))
+        info = devices.described(validation.check_count(compute_capability, "compute_capability"))
     elif origins["q"].on_gpu:
         info = devices.info(origins["q"].device_id)
     elif devices.gpu_available():

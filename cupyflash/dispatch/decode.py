@@ -26,6 +26,9 @@ def decode_kernel(d: DecodeProblem, info: devices.DeviceInfo, policy: policies.P
     kernel's bandwidth while that read K from global memory, a key per lane; with 4 and 16 rows it
     was the slower, docs/performance.md)."""
     p = d.attention
+    if info.compute_capability < TENSOR_CORE_MIN_CC:  # both kernels stream the cache through cp.async
+        raise ValueError(f"attention_decode needs sm_80 or newer (its kernels read the cache with cp.async); "
+                         f"{info.name} is sm_{info.compute_capability}. attention() with the cached keys serves there.")
     tensor_cores = (p.dtype_name in TENSOR_CORE_DTYPES and info.compute_capability >= TENSOR_CORE_MIN_CC
                     and "sm80" in policy.families)
     rows = p.seqlen_q * p.kv_group

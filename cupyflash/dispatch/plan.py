@@ -93,6 +93,8 @@ def _device_verdict(family: str, p: AttentionProblem, device: devices.DeviceInfo
         return f"built for sm_90a; the device is sm_{cc}"
     if family == "sm80" and cc < tiles.TENSOR_CORE_MIN_CC:
         return f"needs sm_80 or newer; the device is sm_{cc}"
+    if p.dtype_name == "bfloat16" and cc < tiles.TENSOR_CORE_MIN_CC:
+        return f"bfloat16's conversions need sm_80 or newer; the device is sm_{cc}"
     return None
 
 
@@ -117,8 +119,9 @@ def _verdicts(p: AttentionProblem, device: devices.DeviceInfo, kernels: list, ch
 
 def _no_kernel(p: AttentionProblem, device: devices.DeviceInfo, choices: list) -> ValueError:
     scalar = next(c for c in choices if c.family == "scalar")
-    return ValueError(f"{p.dtype_name} attention with head_dim {p.head_dim} on {device.name}: no kernel fits "
-                      f"({scalar.reason}). Use a smaller head_dim or a lower precision.")
+    too_large = scalar.kernel is not None and _fits(scalar.kernel, device) is not None
+    return ValueError(f"{p.dtype_name} attention with head_dim {p.head_dim} on {device.name}: no kernel serves it "
+                      f"({scalar.reason})." + (" Use a smaller head_dim or a lower precision." if too_large else ""))
 
 
 # --------------------------------------------------------------------------- forward

@@ -1,6 +1,6 @@
 """What the planner needs to know of a GPU, read once per device: `DeviceInfo`. `described()`
-gives a device by its compute capability alone (an A100- or H100-like one), so that a plan can be
-made and explained on a machine without a GPU."""
+gives a device by its compute capability alone (a typical device of that architecture, with its
+real shared-memory limits), so that a plan can be made and explained on a machine without a GPU."""
 
 from __future__ import annotations
 
@@ -47,16 +47,30 @@ def info(device_id: int) -> DeviceInfo:
                       int(attributes["MaxSharedMemoryPerMultiprocessor"]))
 
 
+# Compute capability -> (a typical device, its SMs, opt-in shared memory per block and per SM,
+# bytes), as the CUDA programming guide's table of limits per compute capability gives them.
+ARCHITECTURES = {
+    70: ("a V100-like device (Volta)", 80, 96 * 1024, 96 * 1024),
+    72: ("a Jetson AGX Xavier-like device (Volta)", 8, 96 * 1024, 96 * 1024),
+    75: ("a T4-like device (Turing)", 40, 64 * 1024, 64 * 1024),
+    80: ("an A100-like device (Ampere)", 108, SMEM_A100, SMEM_A100 + 1024),
+    86: ("an A40-like device (Ampere)", 84, 99 * 1024, 100 * 1024),
+    87: ("a Jetson AGX Orin-like device (Ampere)", 16, SMEM_A100, SMEM_A100 + 1024),
+    89: ("an L40S-like device (Ada)", 142, 99 * 1024, 100 * 1024),
+    90: ("an H100-like device (Hopper)", 132, SMEM_H100, SMEM_H100 + 1024),
+    100: ("a B200-like device (Blackwell)", 148, SMEM_H100, SMEM_H100 + 1024),
+    120: ("an RTX 5090-like device (Blackwell)", 170, 99 * 1024, 100 * 1024),
+}
+
+
 def described(compute_capability: int) -> DeviceInfo:
-    """A device known by its compute capability alone: an H100's SMs and shared memory from sm_90
-    on, an A100's from sm_80, a Volta's below."""
-    if compute_capability >= 90:
-        return DeviceInfo(-1, "an H100-like device", compute_capability, 132, SMEM_H100,
-                          SMEM_H100 + 1024)
-    if compute_capability >= 80:
-        return DeviceInfo(-1, "an A100-like device", compute_capability, 108, SMEM_A100,
-                          SMEM_A100 + 1024)
-    return DeviceInfo(-1, "a Volta-like device", compute_capability, 80, 96 * 1024, 96 * 1024)
+    """A typical device of the compute capability (e.g. 80, 90; ARCHITECTURES lists them), with its
+    architecture's shared-memory limits; ValueError for one not in the list."""
+    if compute_capability not in ARCHITECTURES:
+        known = ", ".join(str(cc) for cc in ARCHITECTURES)
+        raise ValueError(f"compute_capability must be one of {known} (major * 10 + minor), got {compute_capability}")
+    name, sm_count, smem_per_block, smem_per_sm = ARCHITECTURES[compute_capability]
+    return DeviceInfo(-1, name, compute_capability, sm_count, smem_per_block, smem_per_sm)
 
 
 def require_gpu(what: str) -> None:
