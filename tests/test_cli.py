@@ -1,8 +1,11 @@
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
+
+from cupyflash import bench, cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -12,7 +15,7 @@ def test_main_command_without_gpu_runs_the_numpy_fallback():
     done = subprocess.run([sys.executable, "-m", "cupyflash", "--causal"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     first, *rest = done.stdout.splitlines()
-    assert first.startswith("No CUDA GPU available") and "tiled NumPy attention" in rest[0]
+    assert first.startswith("No CUDA GPU available") and "NumPy fallback (float32 inputs)" in rest[0]
     assert "causal=True" in rest[0] and "max |error| vs reference" in rest[0]
     assert "backward" in rest[0]
 
@@ -28,9 +31,98 @@ def test_cpu_benchmark_times_the_fallback_beside_plain_numpy():
     assert max(errors.values()) < 1e-5  # float32 against the float64 reference
 
 
-def test_bad_option_is_an_argparse_error():
-    done = subprocess.run([sys.executable, "-m", "cupyflash", "--dtype", "int8"], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 2 and "invalid choice: 'int8'" in done.stderr
+MISTAKES = [  # (arguments, what the one line must say)
+    ("--dtype int8", "run: error: argument --dtype: invalid choice: 'int8'"),
+    ("--seqlen -5", "run: error: argument --seqlen: expected an integer >= 1, got '-5'"),
+    ("--batch -1", "argument --batch: expected an integer >= 1, got '-1'"),
+    ("--seqlen 0", "argument --seqlen: expected an integer >= 1, got '0'"),
+    ("--head-dim 0", "argument --head-dim: expected an integer from 1 to 256, got '0'"),
+    ("--head-dim 300", "argument --head-dim: expected an integer from 1 to 256, got '300'"),
+    ("--repeat -3", "argument --repeat: expected an integer >= 1"),
+    ("--seqlen x", "argument --seqlen: expected an integer >= 1, got 'x'"),
+    ("frobnicate", "unknown command 'frobnicate'; the commands are run, bench, explain, check-kernels"),
+    ("run --unknown-flag", "python -m cupyflash run: error: unrecognized arguments: --unknown-flag"),
+    ("explain --compute-capability 0", "argument --compute-capability: invalid choice: 0 (choose from 70, 72, 75"),
+    ("explain --heads 16 --heads-kv 5 --compute-capability 90", "with heads_kv dividing q's 16 heads"),
+    ("explain --dtype bfloat16 --compute-capability 75", "bfloat16's conversions need sm_80 or newer"),
+    ("bench --sparse --decode", "bench: error: one grid at a time, got --sparse and --decode"),
+    ("bench --seqlen 0", "bench: error: argument --seqlen: expected an integer >= 1"),
+    ("bench --cpu --head-dim 999", "bench --cpu: error: argument --head-dim: expected an integer from 1 to 256"),
+    ("bench --sparse --density 2", "argument --density: expected a number in (0, 1]"),
+    ("bench --decode --max-seconds -1", "argument --max-seconds: expected a number > 0"),
+    ("check-kernels --arch sm80", "argument --arch: expected an architecture such as sm_80 or sm_90a, got 'sm80'"),
+    ("check-kernels --jobs 0", "argument --jobs/-j: expected an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("argv,message", MISTAKES)
+def test_each_mistake_is_one_line_naming_what_is_expected(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv.split())
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def test_mistakes_from_the_shell_exit_2_without_a_traceback():
+    done = subprocess.run([sys.executable, "-m", "cupyflash", "--seqlen", "-5"], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert done.returncode == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def _parsers():
+    import importlib
+
+    yield from (cli._run_parser(), cli._explain_parser(), cli._check_kernels_parser())
+    for grid in ("dense", *bench.GRIDS):
+        yield importlib.import_module(f"cupyflash.bench.{grid}").parser()
+
+
+def test_every_option_has_a_description():
+    bare = [f"{parser.prog} {action.option_strings[0]}" for parser in _parsers() for action in parser._actions
+            if action.option_strings and not action.help]
+    assert not bare, f"options without a description: {bare}"
+
+
+@pytest.mark.parametrize("argv", ["--help", "run --help", "explain --help", "check-kernels --help", "bench --help",
+                                  *(f"bench --{grid} --help" for grid in bench.GRIDS)])
+def test_every_help_reads_whole_and_needs_no_gpu(capsys, argv):
+    """Help needs neither a GPU nor CuPy, its description ends a sentence, and it names no
+    implementation file."""
+    with pytest.raises(SystemExit) as exit:
+        raise SystemExit(cli.main(argv.split()))
+    out = capsys.readouterr().out
+    assert exit.value.code in (0, None) and out.startswith("usage: python -m cupyflash")
+    assert not re.search(r"\b\w+\.py\b", out), "help names an implementation file"
+    description = re.split(r"\n\n", out)[1]
+    assert description.rstrip().endswith((".", ")")), f"description stops mid-sentence: {description!r}"
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("argv", ["bench", "bench --host", "bench --decode --dtype float32"])
+def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line(capsys, argv):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv.split())
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and "needs an NVIDIA GPU" in err
+
+
+def test_check_kernels_without_nvrtc_says_which_extra_brings_it(capsys, monkeypatch):
+    from cupyflash.runtime import compiler
+
+    monkeypatch.setattr(compiler, "offline_unavailable", lambda: "it needs CuPy and NVRTC, which come with the CUDA "
+                                                                 "extra")
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["check-kernels"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and "the CUDA extra" in err
+
+
+@pytest.mark.cpu_only
+def test_without_a_gpu_run_honours_dtype_and_repeat(capsys):
+    assert cli.main(["--dtype", "bfloat16", "--repeat", "2", "--seqlen", "40", "--head-dim", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "NumPy fallback (bfloat16 inputs)" in out and "median of 2" in out and "seqlen_q 40" in out
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from cupyflash import catalog, validation
 from cupyflash.api.common import check_block_mask
 from cupyflash.block_mask import BlockMask
 from cupyflash.catalog.tensor_cores import TcBwdDqKernel, WgmmaBwdDkdvKernel, WgmmaFwdKernel, WgmmaFwdWsKernel
+from cupyflash.cpu import fallback
 from cupyflash.dispatch import plan
 from cupyflash.dispatch.decode import choose_splits
 from cupyflash.dispatch.policy import Policy, current, override
@@ -322,7 +323,7 @@ def test_explain_reports_every_family():
 @pytest.mark.cpu_only
 def test_explain_without_a_gpu_names_the_fallback():
     q = numpy.zeros((1, 8, 2, 16), numpy.float32)
-    assert "no GPU: the NumPy tiled fallback" in str(cupyflash.explain(q, q, q))
+    assert f"no GPU: {fallback.SUMMARY}" in str(cupyflash.explain(q, q, q))
 
 
 def test_decode_splits_fill_the_gpu_by_the_critical_path():

@@ -1,38 +1,49 @@
-"""The benchmarks a user runs: `python -m cupyflash bench [GRID] ...`, cupyflash beside PyTorch's
-SDPA backends, FlexAttention and standard attention, timed in the same run (common.py holds the
-timing, the peers and the result files).
+"""The benchmarks: cupyflash beside PyTorch's SDPA backends, FlexAttention and standard attention,
+each problem checked against the float64 reference first, then timed in the same run (medians of
+CUDA-event-timed calls). Results go to benchmarks/results (or the current folder) as a CSV and a
+PNG named by device and date, with a table printed last.
 
-    (no flag)     the FlashAttention grid: forward and backward, 16k tokens, hidden 2048 (dense.py)
-    --sparse      block-sparse attention against dense and FlexAttention (sparse.py)
-    --decode      KV-cache decoding against a device-to-device copy and SDPA (decode.py)
-    --varlen      packed variable-length batches against padding and FlashAttention-2's varlen (varlen.py)
-    --variants    GQA, windows, softcap, ALiBi, dropout against dense causal attention (variants.py)
-    --host        the host's time per call, beside SDPA's and the torch adapter's (host.py)
-    --accuracy    16-bit errors against float64 beside FlashAttention-2's, on random problems (accuracy.py)
-    --cpu         the CPU fallback beside plain NumPy attention; needs no GPU (cpu.py)
+    (no grid)     forward and backward at 16k tokens, hidden 2048: the FlashAttention grid
+    --sparse      block-sparse attention beside dense attention and FlexAttention on the same masks
+    --decode      KV-cache decoding beside a device-to-device copy and SDPA
+    --varlen      packed variable-length batches beside the same sequences padded
+    --variants    GQA, windows, softcap, ALiBi and dropout beside dense causal attention
+    --host        the host's time per call, beside SDPA's and the torch adapter's
+    --accuracy    16-bit errors against float64 beside FlashAttention-2's, on random problems
+    --cpu         the NumPy fallback beside plain NumPy attention (needs no GPU)
+
+Every grid but --cpu needs an NVIDIA GPU and PyTorch. `python -m cupyflash bench [--GRID] --help`
+lists a grid's options.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 
-GRIDS = {"sparse": "sparse", "decode": "decode", "varlen": "varlen", "variants": "variants", "host": "host", "accuracy": "accuracy",
-         "cpu": "cpu"}
+from cupyflash import arguments
+
+PROG = "python -m cupyflash bench"
+GRIDS = ("sparse", "decode", "varlen", "variants", "host", "accuracy", "cpu")
+# What runs without a GPU: help, the CPU grid, and re-scoring a recorded CSV (--table).
+OFFLINE = ("-h", "--help", "--cpu", "--table")
 
 
 def main(argv) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupyflash bench", description=__doc__.split("\n\n")[0],
-                                     add_help=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    group = parser.add_mutually_exclusive_group()
-    for grid in GRIDS:
-        group.add_argument(f"--{grid}", action="store_true", help=f"the {grid} benchmark ({grid}.py)")
-    chosen, rest = parser.parse_known_args(argv)
-    grid = next((g for g in GRIDS if getattr(chosen, g)), None)
+    chosen = [a[2:] for a in argv if a.startswith("--") and a[2:] in GRIDS]
+    if len(chosen) > 1:
+        arguments.fail(PROG, f"one grid at a time, got --{' and --'.join(chosen)}")
+    grid = chosen[0] if chosen else None
+    rest = [a for a in argv if a != f"--{grid}"]
     if grid is None and any(a in ("-h", "--help") for a in rest):
-        print(__doc__)
-        print("Each grid's own options: python -m cupyflash bench [--GRID] --help")
-        importlib.import_module("cupyflash.bench.dense").parse_args(["--help"])
-    module = importlib.import_module(f"cupyflash.bench.{GRIDS[grid] if grid else 'dense'}")
-    return module.main(rest)
+        print(f"usage: {PROG} [--GRID] [OPTIONS]\n\n{__doc__.strip()}\n\nThe FlashAttention grid's options:\n")
+    module = importlib.import_module(f"cupyflash.bench.{grid or 'dense'}")
+    parser = module.parser()
+    args = parser.parse_args(rest)  # (--help prints and exits here, before any GPU is needed)
+    if not any(a in OFFLINE for a in argv):
+        from cupyflash.runtime.device import gpu_available
+
+        if not gpu_available():
+            arguments.fail(parser.prog, "needs an NVIDIA GPU with a CUDA driver and CuPy (cupy.cuda.is_available() is "
+                                        "False here, or CuPy is not installed); `bench --cpu`, `explain "
+                                        "--compute-capability` and `check-kernels` run without one")
+    return module.main(args)

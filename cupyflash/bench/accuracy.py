@@ -16,7 +16,6 @@ method is judged against references with its own mask. Writes every problem's er
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import multiprocessing
@@ -25,21 +24,22 @@ import secrets
 
 import numpy
 
+from cupyflash import arguments
 from cupyflash.bench import common
 
 OUTPUTS = ("out", "dq", "dk", "dv")
 METHODS = ("cupyflash", "torch-flash")
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m cupyflash bench --accuracy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--problems", type=int, default=3000)
-    ap.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
-    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+def parser() -> arguments.Parser:
+    ap = arguments.Parser("python -m cupyflash bench --accuracy", __doc__)
+    ap.add_argument("--problems", type=arguments.positive_int, default=3000, help="random problems")
+    ap.add_argument("--seed", type=arguments.count, help="the problems' seed (default: a fresh one, printed)")
+    ap.add_argument("--workers", type=arguments.positive_int, default=min(8, os.cpu_count() or 1),
                     help="processes sharing the GPU (the first calls of each compile kernels)")
-    ap.add_argument("--max-seqlen", type=int, default=2100)
-    ap.add_argument("--out", default=str(common.RESULTS))
-    return ap.parse_args(argv)
+    ap.add_argument("--max-seqlen", type=arguments.positive_int, default=2100, help="the longest seqlen_q or seqlen_k")
+    ap.add_argument("--out", default=str(common.RESULTS), help="the folder for the result files")
+    return ap
 
 
 def draw(rng: numpy.random.Generator, max_seqlen: int) -> dict:
@@ -150,8 +150,7 @@ def _worker(problems):
     return rows
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(args) -> int:
     seed = secrets.randbits(31) if args.seed is None else args.seed
     rng = numpy.random.default_rng(seed)
     problems = [draw(rng, args.max_seqlen) for _ in range(args.problems)]

@@ -1,4 +1,4 @@
-"""The CPU fallback beside plain NumPy attention, on a machine without a GPU or with one:
+"""The NumPy fallback beside plain NumPy attention, on a machine without a GPU or with one.
 
     python -m cupyflash bench --cpu [--seqlen 2048 --heads 8 --head-dim 64 --dtype float32]
 
@@ -11,22 +11,23 @@ tile of them. The fallback's forward + backward is timed too (plain attention ha
 
 from __future__ import annotations
 
-import argparse
 import time
 import tracemalloc
 
 import numpy
 
+from cupyflash import arguments
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m cupyflash bench --cpu", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seqlen", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    ap.add_argument("--repeat", type=int, default=5, help="timed calls of each (median reported)")
-    return ap.parse_args(argv)
+
+def parser() -> arguments.Parser:
+    ap = arguments.Parser("python -m cupyflash bench --cpu", __doc__)
+    ap.add_argument("--batch", type=arguments.positive_int, default=1, help="batch size")
+    ap.add_argument("--seqlen", type=arguments.positive_int, default=2048, help="seqlen_q and seqlen_k")
+    ap.add_argument("--heads", type=arguments.positive_int, default=8, help="heads")
+    ap.add_argument("--head-dim", type=arguments.head_dim, default=64, help="head_dim")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="the inputs' dtype")
+    ap.add_argument("--repeat", type=arguments.positive_int, default=5, help="timed calls of each, the median reported")
+    return ap
 
 
 def plain_attention(q, k, v, causal: bool):
@@ -67,10 +68,9 @@ def _fallback(direction: str, given: dict, causal: bool):
     return run(*arrays.values(), p)
 
 
-def main(argv=None) -> int:
+def main(args) -> int:
     from cupyflash import reference
 
-    args = parse_args(argv)
     dtype = numpy.dtype(args.dtype)
     rng = numpy.random.default_rng(0)
     shape = (args.batch, args.seqlen, args.heads, args.head_dim)

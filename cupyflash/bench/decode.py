@@ -18,13 +18,13 @@ its reason, never dropped silently.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import sys
 
 import numpy
 
+from cupyflash import arguments
 from cupyflash.bench import common
 
 TORCH_BACKENDS = ("flash", "efficient", "cudnn", "math")
@@ -105,13 +105,18 @@ def graph_ms(fn, max_seconds):
         return common.median_ms(lambda: graph.launch(stream), max_seconds)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupyflash bench --decode", description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--max-seconds", type=float, default=0.1)
-    parser.add_argument("--out", type=pathlib.Path, default=common.RESULTS)
-    args = parser.parse_args(argv)
+def parser() -> arguments.Parser:
+    ap = arguments.Parser("python -m cupyflash bench --decode", __doc__)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"],
+                    help="the cache's dtype")
+    ap.add_argument("--head-dim", type=arguments.head_dim, default=128, help="head_dim")
+    ap.add_argument("--max-seconds", type=arguments.positive_float, default=0.1,
+                    help="timing budget per measurement, seconds")
+    ap.add_argument("--out", type=pathlib.Path, default=common.RESULTS, help="the folder for the result files")
+    return ap
+
+
+def main(args) -> int:
     matplotlib, tqdm, device, date, stem = common.start_run("decode" if args.dtype == "bfloat16" else f"decode-{args.dtype}")
     import cupy
 

@@ -29,13 +29,13 @@ Writes <device>-<date>-bench.csv and .png under --out and prints the table last.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import sys
 
 import numpy
 
+from cupyflash import arguments
 from cupyflash.bench import common
 from cupyflash.bench.common import TORCH_BACKENDS
 
@@ -64,20 +64,24 @@ class Problem:
         return f * (standard.BACKWARD_FLOPS_RATIO if direction == "bwd" else 1.0)
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m cupyflash bench", description=__doc__.split("\n\n")[0])
+def parser() -> arguments.Parser:
+    ap = arguments.Parser("python -m cupyflash bench", __doc__)
     ap.add_argument("--dtype", action="append", choices=["bfloat16", "float16", "float32", "float64"],
-                    help="default: bfloat16 and float16 (float32 and float64 add SDPA's math backend)")
-    ap.add_argument("--head-dim", type=int, action="append", help="main grid head dims (default 64, 128)")
-    ap.add_argument("--seqlen", type=int, action="append", help="default 512 1024 2048 4096 8192 16384")
-    ap.add_argument("--extra-head-dim", type=int, action="append",
-                    help="also report these head dims, bfloat16, seqlen 2048/8192/16384 (default 32 96 256)")
-    ap.add_argument("--no-extra", action="store_true", help="skip the extra head dims")
-    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+                    help="repeatable (default: bfloat16 and float16; float32 and float64 add SDPA's math backend)")
+    ap.add_argument("--head-dim", type=arguments.head_dim, action="append",
+                    help="the main grid's head dims, repeatable (default: 64 and 128)")
+    ap.add_argument("--seqlen", type=arguments.positive_int, action="append",
+                    help="repeatable (default: 512, 1024, 2048, 4096, 8192, 16384)")
+    ap.add_argument("--extra-head-dim", type=arguments.head_dim, action="append",
+                    help="head dims also reported in bfloat16 at seqlen 2048, 8192, 16384, repeatable (default: 32, "
+                         "96, 256)")
+    ap.add_argument("--no-extra", action="store_true", help="leave the extra head dims out")
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="causal problems, others, or both")
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention (torch.compile per shape: slow)")
-    ap.add_argument("--max-seconds", type=float, default=0.3, help="timing budget per measurement")
-    ap.add_argument("--out", type=pathlib.Path, default=common.RESULTS)
-    return ap.parse_args(argv)
+    ap.add_argument("--max-seconds", type=arguments.positive_float, default=0.3,
+                    help="timing budget per measurement, seconds")
+    ap.add_argument("--out", type=pathlib.Path, default=common.RESULTS, help="the folder for the result files")
+    return ap
 
 
 def problems(args) -> list[Problem]:
@@ -230,8 +234,7 @@ def check(pr, q, k, v, dout, out, grads, peers):
 # --------------------------------------------------------------------------- the run
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(args) -> int:
     matplotlib, tqdm, device, date, stem = common.start_run("bench")
     import cupy
 

@@ -20,7 +20,6 @@ comes round again, as a model's layers keep theirs: every call then sees arrays 
 (new TMA descriptors), where the default loop gets its output back at the address just freed.
 """
 
-import argparse
 import cProfile
 import gc
 import io
@@ -29,22 +28,27 @@ import time
 
 import numpy
 
+from cupyflash import arguments
 
-def main(argv=None):
+
+def parser() -> arguments.Parser:
+    ap = arguments.Parser("python -m cupyflash bench --host", __doc__)
+    ap.add_argument("--calls", type=arguments.positive_int, default=2000, help="back-to-back calls timed per line")
+    ap.add_argument("--profile", action="store_true", help="also print the top functions of a cProfile run")
+    ap.add_argument("--no-gc", action="store_true", help="with Python's cyclic garbage collector off")
+    ap.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"), help="the profile's order")
+    ap.add_argument("--only", help="time (and profile) only the calls whose name contains this")
+    ap.add_argument("--fresh", type=arguments.positive_int, default=1, metavar="N",
+                    help="go round N sets of arrays, keeping each call's results until its set comes round")
+    return ap
+
+
+def main(args):
     import cupy
 
     import cupyflash
     from cupyflash.validation import BFLOAT16
 
-    ap = argparse.ArgumentParser(prog="python -m cupyflash bench --host", description=__doc__.split(chr(10))[0])
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--no-gc", action="store_true", help="with Python's cyclic garbage collector off")
-    ap.add_argument("--sort", default="tottime", help="the profile's order: tottime (default) or cumulative")
-    ap.add_argument("--only", help="time (and profile) only the calls whose name contains this")
-    ap.add_argument("--fresh", type=int, default=1, metavar="N",
-                    help="go round N sets of arrays, keeping each call's results until its set comes round")
-    args = ap.parse_args(argv)
     rs = cupy.random.default_rng(0)
     sets = []
     for _ in range(args.fresh):

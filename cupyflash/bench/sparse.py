@@ -25,7 +25,6 @@ FlexAttention; the targets (issue "Step 4") are checked and printed. Writes
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import pathlib
@@ -33,25 +32,26 @@ import sys
 
 import numpy
 
+from cupyflash import arguments
 from cupyflash.bench import common
 
 BLOCK = 128
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m cupyflash bench --sparse", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    ap.add_argument("--head-dim", type=int, action="append", help="default 64, 128")
-    ap.add_argument("--seqlen", type=int, action="append", help="default 4096, 16384")
-    ap.add_argument("--density", type=float, action="append", help="default 1.0 0.5 0.25 0.1 0.05")
-    ap.add_argument("--pattern", choices=["random", "local"], action="append", help="default both")
+def parser() -> arguments.Parser:
+    ap = arguments.Parser("python -m cupyflash bench --sparse", __doc__)
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="the inputs' dtype")
+    ap.add_argument("--head-dim", type=arguments.head_dim, action="append", help="repeatable (default: 64 and 128)")
+    ap.add_argument("--seqlen", type=arguments.positive_int, action="append", help="repeatable (default: 4096 and 16384)")
+    ap.add_argument("--density", type=arguments.fraction, action="append", help="the masks' densities, repeatable (default: 1.0, 0.5, 0.25, 0.1, 0.05)")
+    ap.add_argument("--pattern", choices=["random", "local"], action="append", help="the masks' pattern, repeatable (default: both)")
     ap.add_argument("--causal", action="store_true", help="causal as well as the mask")
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention (named as skipped)")
-    ap.add_argument("--max-seconds", type=float, default=0.2, help="timing budget per measurement")
-    ap.add_argument("--out", type=pathlib.Path, default=common.RESULTS)
+    ap.add_argument("--max-seconds", type=arguments.positive_float, default=0.2, help="timing budget per measurement, seconds")
+    ap.add_argument("--out", type=pathlib.Path, default=common.RESULTS, help="the folder for the result files")
     ap.add_argument("--table", type=pathlib.Path, metavar="CSV",
                     help="print the table of a CSV this benchmark wrote, scored against the targets, and exit")
-    return ap.parse_args(argv)
+    return ap
 
 
 def make_mask(pattern: str, density: float, seqlen: int, heads: int, rng):
@@ -177,8 +177,7 @@ class Flex:
 # --------------------------------------------------------------------------- the run
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(args) -> int:
     if args.table:  # no GPU needed: the targets are re-scored from the recorded times
         with open(args.table, newline="") as fh:
             rows = list(csv.DictReader(fh))

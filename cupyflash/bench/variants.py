@@ -14,12 +14,11 @@ TFLOP/s count only the visible (query, key) pairs: 4 d per pair forward, 2.5x th
 
 from __future__ import annotations
 
-import argparse
 
 import numpy
 
 import cupyflash
-from cupyflash import reference
+from cupyflash import arguments, reference
 from cupyflash.bench import common
 from cupyflash.cpu.reference import as_float64
 
@@ -56,15 +55,20 @@ def check_head(q, k, v, dout, out, grads, window, causal, dtype, mods):
     return ok
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupyflash bench --variants", description=__doc__.splitlines()[0])
-    parser.add_argument("--seqlen", type=int, default=16384)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--max-seconds", type=float, default=0.12)
-    parser.add_argument("--check-seqlen", type=int, default=2048)
-    args = parser.parse_args(argv)
+def parser() -> arguments.Parser:
+    ap = arguments.Parser("python -m cupyflash bench --variants", __doc__)
+    ap.add_argument("--seqlen", type=arguments.positive_int, default=16384, help="seqlen_q and seqlen_k, batch 1")
+    ap.add_argument("--head-dim", type=arguments.head_dim, default=128, help="head_dim")
+    ap.add_argument("--heads", type=arguments.positive_int, default=16, help="query heads")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="the inputs' dtype")
+    ap.add_argument("--max-seconds", type=arguments.positive_float, default=0.12,
+                    help="timing budget per measurement, seconds")
+    ap.add_argument("--check-seqlen", type=arguments.positive_int, default=2048,
+                    help="the seqlen each variant is checked at against float64")
+    return ap
+
+
+def main(args) -> int:
 
     import cupy
 

@@ -13,12 +13,12 @@ longest sequence of each batch, forward and backward, head 0, against float64 un
 
 from __future__ import annotations
 
-import argparse
 
 import numpy
 
 import cupyflash
 from cupyflash import reference
+from cupyflash import arguments
 from cupyflash.bench import common
 from cupyflash.cpu.reference import as_float64
 
@@ -45,14 +45,18 @@ def check_sequence(q, k, v, dout, out, lse, grads, rows, keys, causal, dtype) ->
     return ok
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupyflash bench --varlen", description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--max-seconds", type=float, default=0.12)
-    args = parser.parse_args(argv)
+def parser() -> arguments.Parser:
+    ap = arguments.Parser("python -m cupyflash bench --varlen", __doc__)
+    ap.add_argument("--tokens", type=arguments.positive_int, default=16384, help="tokens of each packed batch")
+    ap.add_argument("--head-dim", type=arguments.head_dim, default=128, help="head_dim")
+    ap.add_argument("--heads", type=arguments.positive_int, default=16, help="heads")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="the inputs' dtype")
+    ap.add_argument("--max-seconds", type=arguments.positive_float, default=0.12,
+                    help="timing budget per measurement, seconds")
+    return ap
+
+
+def main(args) -> int:
 
     import cupy
 

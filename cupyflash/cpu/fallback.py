@@ -19,6 +19,11 @@ from cupyflash.problem import AttentionProblem, DecodeProblem, lse_dtype
 BLOCK_N = 512
 TILE_SCORES = 1 << 20
 
+# What runs where there is no GPU, in the words explain and the command line print.
+SUMMARY = ("the NumPy tiled algorithm (cupyflash.reference.tiled_attention and tiled_attention_backward), in "
+           f"float32 as the kernels accumulate (float64 for float64 inputs), BLAS products over tiles of up to {BLOCK_N} "
+           "keys; results in the input dtype")
+
 
 def _tiled(function, p: AttentionProblem, batch: int | None = None):
     """`function` (tiled_attention or its backward) with the fallback's compute dtype and tiles for

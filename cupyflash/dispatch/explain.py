@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from cupyflash.catalog.tiles import padded_head_dim
+from cupyflash.cpu import fallback
 from cupyflash.problem import AttentionProblem, lse_dtype
 from cupyflash.runtime.device import DeviceInfo
 
@@ -68,8 +69,7 @@ def _decision_lines(title: str, decision) -> list[str]:
 def render(e: Explanation) -> str:
     lines = [f"cupyflash.explain: {_problem_line(e.problem)}"]
     if e.device is None:
-        lines.append("no GPU: the NumPy tiled fallback runs (cupyflash.reference.tiled_attention and "
-                     "tiled_attention_backward, float64, the result cast to the input dtype)")
+        lines.append(f"no GPU: {fallback.SUMMARY} (compute_capability=... explains a GPU's kernels)")
         return "\n".join(lines)
     lines.append(f"device: {e.device.name} (sm_{e.device.compute_capability}, {e.device.sm_count} SMs, "
                  f"{e.device.smem_per_block} bytes of shared memory a block)")

@@ -118,6 +118,20 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_WGMMA_SERIALIZED = re.compile(r"wgmma\S* (?:instructions are serialized|is injected).*? function '(\S+)'")
 
 
+def offline_unavailable() -> str | None:
+    """Why `compile_offline` cannot run on this machine (None: it can). It needs no GPU, but CuPy's
+    NVRTC bindings and NVRTC itself: the CUDA extra (pip install -e ".[cuda13]")."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError:
+        return 'it needs CuPy and NVRTC, which come with the CUDA extra: pip install -e ".[cuda13]" (or ".[cuda12]")'
+    try:
+        nvrtc.getVersion()
+    except Exception as e:  # (CuPy's bindings raise what the loader found: no libnvrtc on the path)
+        return f'CuPy finds no NVRTC library ({e}); the CUDA extra brings it: pip install -e ".[cuda13]"'
+    return None
+
+
 def compile_offline(kernels, arch: str) -> list[KernelReport]:
     """Compiles with NVRTC for `arch` (no GPU needed) and reads ptxas' resource report.
 
