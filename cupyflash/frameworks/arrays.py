@@ -15,6 +15,8 @@ import sys
 
 import numpy
 
+from cupyflash.validation import BFLOAT16
+
 # DLPack device types (dlpack.h).
 _DL_CPU = 1
 _DL_CUDA = 2
@@ -131,7 +133,20 @@ def ingest(x, origin: Origin, arg: str):
             return cupy.from_dlpack(x)
         return numpy.from_dlpack(x)
     except (TypeError, ValueError, RuntimeError, BufferError) as e:
-        raise TypeError(f"{arg} could not be imported through DLPack: {e}") from e
+        host = None if origin.on_gpu else _host_bfloat16(x)
+        if host is None:
+            raise TypeError(f"{arg} could not be imported through DLPack: {e}") from e
+        return host
+
+
+def _host_bfloat16(x):
+    """x as a NumPy bfloat16 array through its __array__ (JAX's host arrays give ml_dtypes'
+    bfloat16, in place), where NumPy's DLPack import knows no bfloat16; None otherwise."""
+    try:
+        host = numpy.asarray(x)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return host if host.dtype == BFLOAT16 else None
 
 
 def export(x, origin: Origin):
@@ -147,8 +162,14 @@ def export(x, origin: Origin):
     if not origin.on_gpu and not isinstance(x, numpy.ndarray):
         x = x.get()
     try:
-        return importlib.import_module(target).from_dlpack(x)
-    except (ImportError, AttributeError):
+        module = importlib.import_module(target)
+    except ImportError:
+        return x
+    if not origin.on_gpu and hasattr(module, "asarray") and x.dtype == BFLOAT16:
+        return module.asarray(x)  # (NumPy exports no bfloat16 through DLPack; jax.numpy.asarray takes ml_dtypes')
+    try:
+        return module.from_dlpack(x)
+    except AttributeError:
         return x
 
 
