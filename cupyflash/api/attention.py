@@ -87,7 +87,12 @@ def attention(
     -------
     out, or (out, lse)
         out has q's shape (contiguous) and dtype. A row with no visible key (causal with
-        seqlen_q > seqlen_k, or seqlen_k == 0) gives out 0 and lse -inf, never NaN.
+        seqlen_q > seqlen_k, or seqlen_k == 0) gives out 0 and lse -inf. NaN and inf in the
+        inputs propagate as in the definition: a row whose visible scores take a NaN or inf
+        (a NaN or inf in its q, or in a key it sees) gives NaN out and NaN lse; an inf or NaN in v
+        reaches the output columns of the rows that see that key. (Hidden keys' values may reach
+        rows that share their tile, as standard attention's products spread them to every row.)
+        Zero-size inputs (batch, heads or seqlen_q 0) give zero-size results.
         Results come back in the caller's array type: NumPy for NumPy input, CuPy for CuPy,
         a torch.Tensor / jax.Array for those (sharing memory through DLPack, no copy); other
         DLPack frameworks without a ``from_dlpack`` function get the CuPy array.
@@ -107,8 +112,8 @@ def attention(
     producer's current stream, and a torch/JAX result is ordered before the consumer's stream on
     export; to run on a torch side stream, enter ``cupy.cuda.ExternalStream(s.cuda_stream)``.
     NumPy inputs are copied to the current CuPy device and the result copied back; with no GPU
-    they run through `cupyflash.reference.tiled_attention` (the same algorithm in float64) and
-    the result is cast to the input dtype.
+    they run through the NumPy tiled algorithm (`cupyflash.reference.tiled_attention`) in
+    float32 as the kernels accumulate (float64 for float64 inputs), the result in the input dtype.
 
     Raises TypeError or ValueError, before any device work and leaving the inputs untouched, for
     non-array inputs, unsupported or mismatched dtypes, inconsistent shapes, a non-contiguous

@@ -169,9 +169,10 @@ def main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     fields = list(done[0]) if done else list(problems[0])
     with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields + ["torch-flash_declined", "error"], restval="")
+        writer = csv.DictWriter(fh, fieldnames=fields + ["torch-flash_declined", "error", "measured_on"], restval="")
         writer.writeheader()
-        writer.writerows(rows)
+        tree = common.measured_on("kernels")
+        writer.writerows({**row, "measured_on": tree} for row in rows)
     print(f"# wrote {path}")
     for r in errors:
         print(f"# ERROR {r}")

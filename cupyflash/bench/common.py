@@ -1,12 +1,16 @@
 """What the benchmarks share: where results go, CUDA-event timing, the peers (PyTorch SDPA's
-backends, FlexAttention), device names and result files (CSV, PNG, the table last)."""
+backends, FlexAttention), device names and result files (CSV, PNG, the table last), and the source
+trees a result was measured on, so that a figure quoted from an older tree shows as stale."""
 
 from __future__ import annotations
 
 import csv
 import datetime
+import hashlib
 import math
+import os
 import pathlib
+import re
 
 import numpy
 
@@ -20,6 +24,76 @@ def results_dir() -> pathlib.Path:
 
 
 RESULTS = results_dir()
+
+
+# --------------------------------------------------------------------------- what a result was measured on
+
+# The source trees results depend on: the kernels (every GPU benchmark) and the NumPy fallback
+# (bench --cpu). A result file records each tree it ran on by its git tree id.
+_PACKAGE = pathlib.Path(__file__).resolve().parents[1]
+MEASURED_TREES = {"kernels": lambda: _kernels_dir(), "cupyflash/cpu": lambda: _PACKAGE / "cpu"}
+_RECORD = re.compile(r"\b(kernels|cupyflash/cpu) tree ([0-9a-f]{40})\b")
+
+
+def _kernels_dir() -> pathlib.Path:
+    from cupyflash.runtime.compiler import kernels_dir
+
+    return kernels_dir()
+
+
+def git_tree_id(folder: pathlib.Path) -> str:
+    """The git tree id of the folder's files: what `git rev-parse HEAD:<folder>` prints in a clean
+    checkout, computed from the files themselves, so that an installed package names it too.
+    Python's caches (__pycache__, .pyc), which git ignores, are left out."""
+    entries = []
+    for child in folder.iterdir():
+        if child.name == "__pycache__" or child.suffix == ".pyc":
+            continue
+        name = child.name.encode()
+        if child.is_dir():
+            entries.append((name + b"/", b"40000 " + name + b"\0" + bytes.fromhex(git_tree_id(child))))
+        else:
+            data = child.read_bytes()
+            blob = hashlib.sha1(b"blob %d\0" % len(data) + data).digest()
+            mode = b"100755" if os.access(child, os.X_OK) else b"100644"
+            entries.append((name, mode + b" " + name + b"\0" + blob))
+    body = b"".join(entry for _, entry in sorted(entries))  # (git orders a folder as its name + "/")
+    return hashlib.sha1(b"tree %d\0" % len(body) + body).hexdigest()
+
+
+def measured_on(*trees: str) -> str:
+    """'kernels tree <id>' for each named tree (MEASURED_TREES), as result files record them."""
+    return "; ".join(f"{name} tree {git_tree_id(MEASURED_TREES[name]())}" for name in trees)
+
+
+def recorded_trees(path: pathlib.Path) -> dict:
+    """The trees a result file says it was measured on ({name: tree id}): a CSV's measured_on
+    column, a text file's '# measured on ...' line; a PNG's from the CSV or text file of its stem."""
+    path = pathlib.Path(path)
+    if path.suffix == ".png":
+        siblings = [path.with_suffix(ext) for ext in (".csv", ".txt") if path.with_suffix(ext).is_file()]
+        return recorded_trees(siblings[0]) if siblings else {}
+    if path.suffix == ".csv":
+        with open(path, newline="") as fh:
+            text = " ".join(row.get("measured_on") or "" for row in csv.DictReader(fh))
+    else:
+        text = " ".join(line for line in path.read_text().splitlines() if line.startswith("# measured on"))
+    return dict(_RECORD.findall(text))
+
+
+def staleness(path: pathlib.Path) -> str | None:
+    """Why a result file does not describe today's trees (None: it does)."""
+    recorded = recorded_trees(path)
+    if not recorded:
+        return f"{path.name} records no source tree ('measured on kernels tree ...')"
+    for name, tree in recorded.items():
+        today = git_tree_id(MEASURED_TREES[name]())
+        if tree != today:
+            return f"{path.name} was measured on {name} tree {tree[:12]}; today's is {today[:12]}"
+    return None
+
+
+# --------------------------------------------------------------------------- timing
 
 
 def median_ms(fn, max_seconds: float) -> float:
@@ -117,6 +191,7 @@ def start_run(kind: str):
 
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     date = datetime.date.today().isoformat()
+    print(f"# measured on {measured_on('kernels')}", flush=True)
     return matplotlib, tqdm, device, date, f"{device.replace('NVIDIA ', '').replace(' ', '-')}-{date}-{kind}"
 
 
@@ -125,6 +200,8 @@ def finish(rows, failures, n_problems, stem, device, plot_fn, table_fn, matplotl
     status is 1 if any problem failed its check."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = (stem.parent / f"{stem.name}.{ext}" for ext in ("csv", "png"))
+    tree = measured_on("kernels")
+    rows = [{**row, "measured_on": tree} for row in rows]
     with open(csv_path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -17,6 +17,7 @@ import tracemalloc
 import numpy
 
 from cupyflash import arguments
+from cupyflash.bench import common
 
 
 def parser() -> arguments.Parser:
@@ -75,6 +76,7 @@ def main(args) -> int:
     rng = numpy.random.default_rng(0)
     shape = (args.batch, args.seqlen, args.heads, args.head_dim)
     q, k, v, dout = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
+    print(f"# measured on {common.measured_on('cupyflash/cpu')}")
     print(f"# CPU: batch {args.batch}, seqlen {args.seqlen}, heads {args.heads}, head_dim {args.head_dim}, "
           f"{args.dtype}; median of {args.repeat} calls; peak: NumPy's allocations during one call")
     print(f"{'causal':6} {'method':34} {'time ms':>9} {'x plain':>8} {'peak MB':>8} {'max |error|':>12}")

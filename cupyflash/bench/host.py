@@ -29,6 +29,7 @@ import time
 import numpy
 
 from cupyflash import arguments
+from cupyflash.bench import common
 
 
 def parser() -> arguments.Parser:
@@ -49,6 +50,7 @@ def main(args):
     import cupyflash
     from cupyflash.validation import BFLOAT16
 
+    print(f"# measured on {common.measured_on('kernels')}")
     rs = cupy.random.default_rng(0)
     sets = []
     for _ in range(args.fresh):

@@ -102,6 +102,7 @@ def main(args) -> int:
         torch = None
         print("# torch not installed: the SDPA flash column is skipped")
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    print(f"# measured on {common.measured_on('kernels')}")
     print(f"# {device}; batch 1, seqlen {s}, {h} query heads, head_dim {d}, {args.dtype}")
     rng = numpy.random.default_rng(0)
     rows, failures = [], 0

@@ -78,6 +78,7 @@ def main(args) -> int:
         torch = None
         print(f"# torch's FlashAttention-2 varlen kernels unavailable ({e}): that column is skipped")
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    print(f"# measured on {common.measured_on('kernels')}")
     print(f"# {device}; {args.tokens} tokens, {h} heads, head_dim {d}, {args.dtype}")
     rows, failures = [], 0
     for name, lengths in batches.items():
