@@ -329,6 +329,7 @@ def test_explain_without_a_gpu_names_the_fallback():
 def test_decode_splits_fill_the_gpu_by_the_critical_path():
     assert choose_splits(132 * 4, 100, 132) == 1  # the blocks fill the GPU already
     assert choose_splits(8, 4, 132) == 1  # too few key tiles to split
+    assert choose_splits(0, 4096, 132) == 1  # an empty batch, or no heads
     splits = choose_splits(8, 128, 132)  # one sequence, 8 K/V heads, 8192 keys of 64
     assert 1 < splits <= 128 // 4 and 8 * splits <= 4 * 132
     assert choose_splits(8, 128, 132, Policy(decode_full_wave=0.01)) == 1
