@@ -303,3 +303,16 @@ def test_sdpa_hands_what_it_cannot_take_to_torch(on):
     three = cupyflash.torch.scaled_dot_product_attention(q[0], k[0], k[0], is_causal=True)
     assert torch.allclose(three, torch.nn.functional.scaled_dot_product_attention(q[0], k[0], k[0], is_causal=True),
                           atol=1e-2 if dtype == torch.bfloat16 else 1e-10)
+
+
+def test_sdpa_swapped_in_for_torchs_hands_masked_calls_to_torchs_own(on, monkeypatch):
+    """`torch.nn.functional.scaled_dot_product_attention = cupyflash.torch.scaled_dot_product_attention`,
+    the usual swap: a masked call still reaches torch's own SDPA (it recursed without end)."""
+    device, dtype, make = on
+    q, k = make(1, 2, 9, 16), make(1, 2, 12, 16)
+    mask = torch.rand(9, 12, device=device) > 0.3
+    mask[:, 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        cupyflash.torch.scaled_dot_product_attention)
+    assert torch.equal(torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask), want)

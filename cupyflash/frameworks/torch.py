@@ -34,6 +34,12 @@ _CUPY_DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BFLOAT16, torch.fl
                 torch.float64: numpy.float64}
 _NUMPY_DTYPES = {t: numpy.dtype(d) for t, d in _CUPY_DTYPES.items()}
 
+# torch's own SDPA, taken when this module is imported: what scaled_dot_product_attention hands on
+# the calls its kernels do not take, also after a program has set
+# torch.nn.functional.scaled_dot_product_attention to it (looked up at call time, it found itself
+# and recursed without end).
+_torch_sdpa = torch.nn.functional.scaled_dot_product_attention
+
 
 def attention(
     q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None, softcap=None,
@@ -265,7 +271,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
              and value.shape[-1] == query.shape[-1]
              and (query.dim() == 3 or enable_gqa or key.shape[-3] == query.shape[-3]))
     if not plain:
-        return torch.nn.functional.scaled_dot_product_attention(
+        return _torch_sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             **({"enable_gqa": enable_gqa} if enable_gqa else {}))
     heads_axis = query.dim() == 4
