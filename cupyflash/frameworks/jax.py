@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy
 
 from cupyflash import validation
+from cupyflash.api import common
 from cupyflash.api.common import check_block_mask
 from cupyflash.cpu import fallback
 from cupyflash.dispatch import plan as planner
@@ -181,8 +182,7 @@ def _backward_call(p, dout, q, k, v, slopes, out, lse):
             return
         with _on_xla_stream(ctx, q):
             arrays = [_as_cupy(x, d.dtype) for x, d in zip((dout, q, k, v, out, lse, *grads), (*given, *result))]
-            dout_, q_, k_, v_, out_, lse_, dq, dk, dv = arrays
-            launch.run(planner.plan_backward(run_p, dout_, q_, k_, v_, out_, lse_, dq, dk, dv))
+            common.backward_gpu(*arrays[:6], run_p, tuple(arrays[6:]))  # (empty problems: zeros, no launch)
 
     given = (dout, q, k, v, out, lse)
     return buffer_callback(run, result)(dout, q, k, v, out, lse, *([] if slopes is None else [slopes]))
