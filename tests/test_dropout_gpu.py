@@ -12,6 +12,7 @@ import cupyflash
 from cupyflash import BlockMask, reference
 from cupyflash.cpu import reference as cpu_reference
 from cupyflash.cpu import philox
+from rule import Judge
 from shapes import DTYPES, bits, numpy_dtype
 from test_attention_gpu import assert_matches_reference
 from test_backward_gpu import assert_gradients_match_reference
@@ -244,11 +245,15 @@ def test_jax_cpu_backend(rng, jax_gpu):
     options = {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 7}
     out = cupyflash.jax.attention(qj, kj, kj, **options)
     assert next(iter(out.devices())).platform == "cpu"
-    numpy.testing.assert_allclose(numpy.asarray(out), reference.attention(q, k, k, **options), atol=1e-5)
-    grad = jax.grad(lambda q: cupyflash.jax.attention(q, kj, kj, **options).sum())(qj)
-    exact = reference.attention_backward(numpy.ones(q.shape), q, k, k, **options)[0]
-    numpy.testing.assert_allclose(numpy.asarray(grad), exact, atol=1e-5)
+    assert_matches_reference(q, k, k, numpy.asarray(out), None, "float32", **options)
+    grads = jax.grad(lambda q, k, v: cupyflash.jax.attention(q, k, v, **options).sum(), argnums=(0, 1, 2))(qj, kj, kj)
+    assert_gradients_match_reference(numpy.ones(q.shape, numpy.float32), q, k, k, [numpy.asarray(g) for g in grads],
+                                     "float32", **options)
     cu_q, cu_k = numpy.array([0, 7, 20], numpy.int32), numpy.array([0, 9, 23], numpy.int32)
-    out = cupyflash.jax.attention_varlen(qj[0], kj[0], kj[0], cu_q, cu_k, **options)
-    numpy.testing.assert_allclose(numpy.asarray(out), reference.attention_varlen(q[0], k[0], k[0], cu_q, cu_k, **options),
-                                  atol=1e-5)
+    out = numpy.asarray(cupyflash.jax.attention_varlen(qj[0], kj[0], kj[0], cu_q, cu_k, **options))
+    judge = Judge()
+    for b in range(2):  # sequence b has batch entry b's dropout mask
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        assert_matches_reference(q[:, rows], k[:, keys], k[:, keys], out[None, rows], None, "float32", judge=judge,
+                                 dropout_batch_start=b, **options)
+    judge.check()

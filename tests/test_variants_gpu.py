@@ -102,10 +102,10 @@ def test_keys_outside_every_band_are_never_read(rng, dtype):
         out, lse = cupyflash.attention(q, k_nan, v_nan, window=window, return_lse=True)
         grads = cupyflash.attention_backward(dout, q, k_nan, v_nan, out, lse, window=window, deterministic=deterministic)
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (*clean, *clean_grads)):
-            if name == "dq" and not deterministic:  # atomics: the summation order varies run to run
-                assert bool(cupy.isfinite(a).all()) and bool(cupy.allclose(a, b, rtol=1e-2, atol=1e-2))
-            else:
+            if name != "dq" or deterministic:
                 assert bool((bits(a) == bits(b)).all()), name
+        if not deterministic:  # dq's atomics add in a varying order: judged against the clean problem
+            assert_gradients_match_reference(dout, q, k, v, grads, dtype, False, window=window)
         assert bool((grads[1][:, : first_seen - 256] == 0).all())
 
 

@@ -243,11 +243,19 @@ def error_bound(ref, lowp, dtype_name: str, magnitude: float | None = None) -> f
 
 
 def noise_floor(dtype_name: str) -> float:
-    """Relative rounding noise allowed beyond the 2x rule: one ulp of a 16-bit output, 4 ulp of
+    """Relative rounding noise allowed beyond the 2x rule: 2 ulp of a 16-bit result, 4 ulp of
     float32. For float64 the same-precision computation is the reference itself (error 0), so the
-    floor alone covers summing thousands of terms in another order: 64 ulp."""
+    floor alone covers summing thousands of terms in another order: 64 ulp.
+
+    16-bit: a kernel rounds dS (or P) and then its result to the dtype, and where a result is
+    formed from few terms (head dim 1, a sequence of one query) the baseline's own roundings can
+    happen to be near 0, leaving 2x its error no room for the kernel's. Over 431 random trials of
+    the 16-bit backward's head-dim tests (41376 gradients, H200) one exceeded 2x + 1 ulp (1.38x
+    over); none exceeded 2x + 2 ulp (worst 0.69 of the floor). FlashAttention-3's tests' floor,
+    twice the dtype's rounding of the reference + 0.3, was exceeded 4 times: it is met there at
+    one fixed seed."""
     eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}[dtype_name]
-    return eps * {"float16": 1, "bfloat16": 1, "float32": 4, "float64": 64}[dtype_name]
+    return eps * {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 64}[dtype_name]
 
 
 def _materialised_attention(q, k, v, p, compute, rounding, keep=None):
