@@ -57,11 +57,16 @@ def attention(
     reuses them. Returns out, or (out, lse) with return_lse=True (lse gets no gradient)."""
     if isinstance(alibi_slopes, torch.Tensor):
         alibi_slopes = alibi_slopes.detach()
-    seed, offset = dropout_seed(dropout_p, seed, offset, q)
-    options = Options(causal=causal, scale=scale, deterministic=deterministic, block_mask=block_mask, window=window,
-                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset,
-                      return_lse=True)
-    out, lse = FlashAttentionFunction.apply(q, k, v, options)
+    args = None if block_mask is not None else _operator_args(
+        q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset, deterministic)
+    if args is not None:  # (the operator draws an absent dropout seed itself: torch.compile traces it whole)
+        out, lse, _ = _attention_forward(*args)
+    else:
+        seed, offset = dropout_seed(dropout_p, seed, offset, q)
+        options = Options(causal=causal, scale=scale, deterministic=deterministic, block_mask=block_mask,
+                          window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                          offset=offset, return_lse=True)
+        out, lse = _eager(FlashAttentionFunction.apply)(q, k, v, options)
     return (out, lse) if return_lse else out
 
 
@@ -74,10 +79,23 @@ def attention_varlen(
     cu_seqlens tensors (or arrays), with `cupyflash.attention_varlen_backward` for autograd
     (the lengths and ALiBi slopes get no gradient); dropout as `attention`. Returns out, or
     (out, lse) with return_lse=True, lse (heads, total_q) without gradient."""
-    dropout = (dropout_p, *dropout_seed(dropout_p, seed, offset, q))
-    out, lse = FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                  causal, scale, deterministic, window, softcap, alibi_slopes, dropout)
+    seed, offset = dropout_seed(dropout_p, seed, offset, q)
+    args = _operator_args(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset,
+                          deterministic)
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if (args is not None and all(isinstance(c, torch.Tensor) for c in lengths[:2])
+            and all(m is None or _is_int(m) for m in lengths[2:])):
+        out, lse = _attention_varlen_forward(*args[:3], *lengths, *args[3:])
+    else:
+        out, lse = _eager(FlashAttentionVarlenFunction.apply)(q, k, v, *lengths, causal, scale, deterministic, window,
+                                                              softcap, alibi_slopes, (dropout_p, seed, offset))
     return (out, lse) if return_lse else out
+
+
+def _eager(function):
+    """function run by torch.compile outside its graph (a graph break): the autograd.Function paths,
+    whose host work it cannot trace."""
+    return torch.compiler.disable(function, recursive=True)
 
 
 # Philox offsets a call takes from torch's CUDA generator: it keeps them in multiples of 4.
@@ -172,29 +190,67 @@ def _on_torch_stream(x):
 _LSE_DTYPES = {numpy.dtype(numpy.float32): torch.float32, numpy.dtype(numpy.float64): torch.float64}
 
 
+def _forward(q, k, v, options: Options) -> tuple:
+    """out, lse of `cupyflash.attention` (options.return_lse True): CUDA tensors read in place and
+    the results allocated by torch; other tensors take the generic path (DLPack, and its checks)."""
+    if _on_gpu(q, k, v):
+        with _TorchStream(q):
+            arrays, origins = common.ingest({"q": _view(q), "k": _view(k), "v": _view(v)})
+            p = common.checked_problem("forward", arrays, origins, options)
+            out_shape, lse_shape = common.forward_shapes(p)
+            out = empty(out_shape, q.dtype, q.device)
+            lse = empty(lse_shape, _LSE_DTYPES[lse_dtype(p.dtype_name)], q.device)
+            common.forward_gpu(*arrays.values(), p, _view(out), _view(lse))
+        return out, lse
+    # DLPack refuses tensors that require grad; the kernels only read them.
+    given = dict(zip(("q", "k", "v"), (x.detach() if isinstance(x, torch.Tensor) else x for x in (q, k, v))))
+    with _on_torch_stream(q):
+        return tuple(map(_as_torch, common.forward_call(given, options)))
+
+
+def _backward(dout, q, k, v, out, lse, options: Options) -> tuple:
+    """dq, dk, dv of `cupyflash.attention_backward`, as `_forward` runs the forward."""
+    if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
+        dout = dout.contiguous()
+    if _on_gpu(dout, q, k, v, out, lse):
+        with _TorchStream(q):
+            given = dict(zip(common.BACKWARD_ARRAYS, map(_view, (dout, q, k, v, out, lse))))
+            arrays, origins = common.ingest(given)
+            p = common.checked_problem("backward", arrays, origins, options)
+            grads = tuple(empty_like(x) for x in (q, k, v))
+            if p.seqlens_k is not None:  # padding keys are no block's to write: their gradient is 0
+                grads[1].zero_()
+                grads[2].zero_()
+            common.backward_gpu(*arrays.values(), p, tuple(map(_view, grads)))
+        return grads
+    given = dict(zip(common.BACKWARD_ARRAYS, (x.detach() for x in (dout, q, k, v, out, lse))))
+    with _on_torch_stream(q):
+        grads = tuple(map(_as_torch, common.backward_call(given, options)))
+    return _laid_out_like(grads, (q, k, v))
+
+
+def _laid_out_like(grads, inputs) -> tuple:
+    """Gradients in `empty_like(input)`'s layout, which the operators' fake results promise (the
+    generic path's come back contiguous)."""
+    out = []
+    for g, x in zip(grads, inputs):
+        like = empty_like(x)
+        out.append(g if g.stride() == like.stride() else like.copy_(g))
+    return tuple(out)
+
+
 class FlashAttentionFunction(torch.autograd.Function):
     """Forward: out, lse = cupyflash.attention(...); saves q, k, v, out, lse (O(seqlen) extra) and
     returns both (lse without gradient). Backward: cupyflash.attention_backward, recomputing the
-    attention matrix tile by tile. CUDA tensors are read in place and the results allocated by
-    torch; other tensors take `cupyflash.attention`'s generic path (DLPack, and its checks)."""
+    attention matrix tile by tile. What the custom operators below do, for the calls whose options
+    they cannot carry (a BlockMask, ALiBi slopes that are not a tensor, options of the wrong type,
+    which the checks then name)."""
 
     @staticmethod
     def forward(ctx, q, k, v, options: Options):
         if options.return_lse is not True:  # (lse is saved for the backward)
             options = dataclasses.replace(options, return_lse=True)
-        if _on_gpu(q, k, v):
-            with _TorchStream(q):
-                arrays, origins = common.ingest({"q": _view(q), "k": _view(k), "v": _view(v)})
-                p = common.checked_problem("forward", arrays, origins, options)
-                out_shape, lse_shape = common.forward_shapes(p)
-                out = empty(out_shape, q.dtype, q.device)
-                lse = empty(lse_shape, _LSE_DTYPES[lse_dtype(p.dtype_name)], q.device)
-                common.forward_gpu(*arrays.values(), p, _view(out), _view(lse))
-        else:
-            # DLPack refuses tensors that require grad; the kernels only read them.
-            given = dict(zip(("q", "k", "v"), (x.detach() if isinstance(x, torch.Tensor) else x for x in (q, k, v))))
-            with _on_torch_stream(q):
-                out, lse = map(_as_torch, common.forward_call(given, options))
+        out, lse = _forward(q, k, v, options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
@@ -202,40 +258,145 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
-            dout = dout.contiguous()
-        if _on_gpu(dout, q, k, v, out, lse):
-            with _TorchStream(q):
-                given = dict(zip(common.BACKWARD_ARRAYS, map(_view, (dout, q, k, v, out, lse))))
-                arrays, origins = common.ingest(given)
-                p = common.checked_problem("backward", arrays, origins, ctx.options)
-                grads = tuple(empty_like(x) for x in (q, k, v))
-                if p.seqlens_k is not None:  # padding keys are no block's to write: their gradient is 0
-                    grads[1].zero_()
-                    grads[2].zero_()
-                common.backward_gpu(*arrays.values(), p, tuple(map(_view, grads)))
-        else:
-            given = dict(zip(common.BACKWARD_ARRAYS, (x.detach() for x in (dout, q, k, v, out, lse))))
-            with _on_torch_stream(q):
-                grads = tuple(map(_as_torch, common.backward_call(given, ctx.options)))
-        return (*grads, None)
+        return (*_backward(dout, *ctx.saved_tensors, ctx.options), None)
+
+
+# --------------------------------------------------------------------------- torch.library operators
+#
+# The dense forward and backward as torch operators (flash-attn's way since 2.7): torch.compile
+# traces through them (their fake implementations give the results' shapes, dtypes and strides)
+# and autograd reaches the backward operator through register_autograd. A window travels as two
+# optional ints and a flag, an absent seed as None.
+
+
+def _window_args(window) -> tuple:
+    if window is None:
+        return False, None, None
+    left, right = window
+    return True, left, right
+
+
+def _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p, seed,
+                      offset, deterministic) -> Options:
+    return Options(causal=causal, scale=scale, window=(window_left, window_right) if windowed else None,
+                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset,
+                   deterministic=deterministic, return_lse=True)
+
+
+@torch.library.custom_op("cupyflash::attention_forward", mutates_args=())
+def _attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None, windowed: bool,
+    window_left: int | None, window_right: int | None, softcap: float | None, alibi_slopes: torch.Tensor | None,
+    dropout_p: float, seed: int | None, offset: int, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seed, offset = dropout_seed(dropout_p, seed, offset, q)
+    options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                                seed, offset, deterministic)
+    return (*_forward(q, k, v, options), _rng_state(seed, offset))
+
+
+def _rng_state(seed, offset) -> torch.Tensor:
+    """The dropout seed and offset a forward drew (from torch's generator where none was given), as
+    a host tensor the backward operator reads them from; (0, 0) without dropout."""
+    return torch.tensor([seed or 0, offset if seed is not None else 0], dtype=torch.int64)
+
+
+def _fake_rng_state(q) -> torch.Tensor:
+    return q.new_empty((2,), dtype=torch.int64, device="cpu")
+
+
+@_attention_forward.register_fake
+def _(q, k, v, causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset,
+      deterministic):
+    batch, seqlen_q, heads, _ = q.shape
+    lse_type = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=lse_type), _fake_rng_state(q)
+
+
+@torch.library.custom_op("cupyflash::attention_backward", mutates_args=())
+def _attention_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, scale: float | None, windowed: bool, window_left: int | None, window_right: int | None,
+    softcap: float | None, alibi_slopes: torch.Tensor | None, dropout_p: float, rng_state: torch.Tensor,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seed, offset = _drawn(dropout_p, rng_state)
+    options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                                seed, offset, deterministic)
+    return _backward(dout, q, k, v, out, lse, options)
+
+
+def _drawn(dropout_p, rng_state) -> tuple:
+    """(seed, offset) as the forward's `_rng_state` holds them (seed None without dropout)."""
+    if not dropout_p > 0:
+        return None, 0
+    seed, offset = rng_state.tolist()
+    return seed, offset
+
+
+@_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, *options):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_backward(ctx, inputs, output):
+    q, k, v, *options = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _attention_gradients(ctx, dout, _dlse, _drng):
+    q, k, v, out, lse, rng_state = ctx.saved_tensors
+    causal, scale, windowed, left, right, softcap, slopes, dropout_p, _seed, _offset, deterministic = ctx.options
+    grads = _attention_backward(dout, q, k, v, out, lse, causal, scale, windowed, left, right, softcap, slopes,
+                                dropout_p, rng_state, deterministic)
+    return (*grads,) + (None,) * len(ctx.options)
+
+
+_attention_forward.register_autograd(_attention_gradients, setup_context=_setup_backward)
+
+
+def _operator_args(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset,
+                   deterministic):
+    """The custom operator's arguments for a call it can carry, else None (the call then takes
+    FlashAttentionFunction, whose checks name a wrong argument)."""
+    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        return None
+    if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2
+                                   and all(w is None or _is_int(w) for w in window)):
+        return None
+    if not (isinstance(causal, bool) and isinstance(deterministic, bool) and _is_int(offset, 0, 2**32)
+            and (seed is None or _is_int(seed, 0, 2**63)) and _is_float(dropout_p)
+            and all(x is None or _is_float(x) for x in (scale, softcap))
+            and (alibi_slopes is None or isinstance(alibi_slopes, torch.Tensor))):
+        return None
+    windowed, left, right = _window_args(window)
+    return (q, k, v, causal, None if scale is None else float(scale), windowed, left, right,
+            None if softcap is None else float(softcap), alibi_slopes, float(dropout_p), seed, offset, deterministic)
+
+
+def _is_int(x, low=-(2**63), high=2**63) -> bool:
+    """An int (not a bool) in [low, high): what an operator's int argument carries."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and low <= x < high
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 class FlashAttentionVarlenFunction(torch.autograd.Function):
-    """As FlashAttentionFunction, for `cupyflash.attention_varlen` and its backward."""
+    """As FlashAttentionFunction, for `cupyflash.attention_varlen` and its backward: the calls the
+    varlen operators below cannot carry (cu_seqlens that are not tensors, options of other types)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, deterministic,
                 window, softcap, alibi_slopes, dropout=(0.0, None, 0)):
-        q, k, v = (x.detach() for x in (q, k, v))
-        if isinstance(alibi_slopes, torch.Tensor):
-            alibi_slopes = alibi_slopes.detach()
         cu_seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         options = dict(causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                        dropout_p=dropout[0], seed=dropout[1], offset=dropout[2])
-        with _on_torch_stream(q):
-            out, lse = varlen.attention_varlen(q, k, v, *cu_seqlens, return_lse=True, **options)
+        out, lse = _varlen_forward(q, k, v, cu_seqlens, options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cu_seqlens, ctx.options = cu_seqlens, dict(options, deterministic=deterministic)
         ctx.mark_non_differentiable(lse)
@@ -243,13 +404,84 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = (x.detach() for x in ctx.saved_tensors)
-        dout = dout.detach()
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        with _on_torch_stream(q):
-            dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, *ctx.cu_seqlens, **ctx.options)
-        return (dq, dk, dv) + (None,) * 11
+        return _varlen_backward(dout, *ctx.saved_tensors, ctx.cu_seqlens, ctx.options) + (None,) * 11
+
+
+def _varlen_forward(q, k, v, cu_seqlens, options: dict) -> tuple:
+    q, k, v = (x.detach() for x in (q, k, v))
+    if isinstance(options.get("alibi_slopes"), torch.Tensor):
+        options = dict(options, alibi_slopes=options["alibi_slopes"].detach())
+    with _on_torch_stream(q):
+        return tuple(map(_as_torch, varlen.attention_varlen(q, k, v, *cu_seqlens, return_lse=True, **options)))
+
+
+def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens, options: dict) -> tuple:
+    inputs = (q, k, v)
+    q, k, v, out, lse, dout = (x.detach() for x in (q, k, v, out, lse, dout))
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    with _on_torch_stream(q):
+        grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, *cu_seqlens, **options)
+    return _laid_out_like(tuple(map(_as_torch, grads)), inputs)
+
+
+def _varlen_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset):
+    return dict(causal=causal, scale=scale, window=(window_left, window_right) if windowed else None,
+                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+
+
+@torch.library.custom_op("cupyflash::attention_varlen_forward", mutates_args=())
+def _attention_varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None, max_seqlen_k: int | None, causal: bool, scale: float | None, windowed: bool,
+    window_left: int | None, window_right: int | None, softcap: float | None, alibi_slopes: torch.Tensor | None,
+    dropout_p: float, seed: int | None, offset: int, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    options = _varlen_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                              seed, offset)
+    return _varlen_forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), options)
+
+
+@_attention_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+    total_q, heads, _ = q.shape
+    lse_type = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty((heads, total_q), dtype=lse_type)
+
+
+@torch.library.custom_op("cupyflash::attention_varlen_backward", mutates_args=())
+def _attention_varlen_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None, max_seqlen_k: int | None,
+    causal: bool, scale: float | None, windowed: bool, window_left: int | None, window_right: int | None,
+    softcap: float | None, alibi_slopes: torch.Tensor | None, dropout_p: float, seed: int | None, offset: int,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = _varlen_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                              seed, offset)
+    return _varlen_backward(dout, q, k, v, out, lse, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                            dict(options, deterministic=deterministic))
+
+
+@_attention_varlen_backward.register_fake
+def _(dout, q, k, v, *options):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_varlen_backward(ctx, inputs, output):
+    q, k, v, *options = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.options = options
+    ctx.mark_non_differentiable(output[1])
+
+
+def _varlen_gradients(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    grads = _attention_varlen_backward(dout, q, k, v, out, lse, *ctx.options)
+    return (*grads,) + (None,) * len(ctx.options)
+
+
+_attention_varlen_forward.register_autograd(_varlen_gradients, setup_context=_setup_varlen_backward)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
