@@ -159,3 +159,30 @@ def test_calls_the_operators_cannot_carry_still_run_and_fail_as_before(device):
     with pytest.raises(TypeError, match="causal"):
         cupyflash.torch.attention(q, k, v, causal="yes")
     assert adapter._operator_args(q, k, v, False, None, None, None, None, 0.1, 2**63, 0, False) is None
+
+
+def test_decode_operator_and_a_compiled_decoding_step(device):
+    """The decode operator declares its writes to the caches (opcheck checks it); a compiled
+    decoding step appends and attends as the eager one does, with no graph break."""
+    q = torch.randn(2, 1, 4, 32, device=device)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 32, device=device) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 32, device=device) for _ in range(2))
+    lengths = torch.tensor([3, 39], dtype=torch.int32, device=device)
+    torch.library.opcheck(adapter._attention_decode, (q, k_cache.clone(), v_cache.clone(), lengths, k_new, v_new, True,
+                                                      None, False, None, None, None, None, None))
+
+    def step(q, k_cache, v_cache, lengths, k_new, v_new):
+        return cupyflash.torch.attention_decode(q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, causal=True,
+                                                return_lse=True)
+
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    assert torch._dynamo.explain(step)(q, *caches[0], lengths, k_new, v_new).graph_break_count == 0
+    eager = step(q, *caches[0], lengths, k_new, v_new)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, *caches[1], lengths, k_new, v_new)
+    for a, b in zip((*eager, *caches[0]), (*compiled, *caches[1])):
+        assert torch.equal(a, b)
+    assert torch.equal(caches[1][0][0, 3], k_new[0, 0]) and torch.equal(caches[1][1][1, 39], v_new[1, 0])
+    with_kvcache = torch.compile(
+        lambda q, kc, vc, n: cupyflash.flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n),
+        fullgraph=True, backend="aot_eager")
+    assert torch.equal(with_kvcache(q, *caches[1], lengths + 1), eager[0])

@@ -159,7 +159,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             k = v = None
         k_cache, v_cache = k_cache[index], v_cache[index]
     with torch.no_grad():
-        result = cupyflash.attention_decode(
+        result = adapter.attention_decode(
             q, k_cache, v_cache, lengths, k_new=k, v_new=v, causal=causal, window=window, scale=softmax_scale,
             return_lse=return_softmax_lse, num_splits=num_splits, softcap=_softcap(softcap), alibi_slopes=alibi_slopes)
     return result

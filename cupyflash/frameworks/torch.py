@@ -8,7 +8,8 @@ Tensors have the layout of `cupyflash.attention`: (batch, seq, heads, head_dim);
 (batch, heads, seq, head_dim) tensor passes as ``x.transpose(1, 2)`` without a copy. CUDA tensors
 are read in place, the kernels run on PyTorch's current stream of their device, and the results
 are allocated by torch's caching allocator (as its own operators' are). CPU tensors take
-`cupyflash.attention`'s host path.
+`cupyflash.attention`'s host path. The dense, varlen and decode calls are torch.library operators
+(below), so torch.compile traces them; `attention_decode` declares its writes to the caches.
 Importing this module imports torch, which cupyflash does not otherwise need.
 """
 
@@ -21,14 +22,14 @@ import numbers
 import numpy
 import torch
 
-from cupyflash.api import common, varlen
+from cupyflash.api import common, decode, varlen
 from cupyflash.frameworks import arrays as frameworks
 from cupyflash.problem import Options, lse_dtype
 from cupyflash.runtime import workspace
 from cupyflash.validation import BFLOAT16
 
-__all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "FlashAttentionFunction",
-           "FlashAttentionVarlenFunction"]
+__all__ = ["attention", "attention_varlen", "attention_decode", "scaled_dot_product_attention",
+           "FlashAttentionFunction", "FlashAttentionVarlenFunction"]
 
 _CUPY_DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BFLOAT16, torch.float32: numpy.float32,
                 torch.float64: numpy.float64}
@@ -482,6 +483,54 @@ def _varlen_gradients(ctx, dout, _dlse):
 
 
 _attention_varlen_forward.register_autograd(_varlen_gradients, setup_context=_setup_varlen_backward)
+
+
+def attention_decode(
+    q, k_cache, v_cache, cache_seqlens=None, *, k_new=None, v_new=None, causal=False, window=None, scale=None,
+    return_lse=False, num_splits=None, softcap=None, alibi_slopes=None,
+):
+    """`cupyflash.attention_decode` for torch tensors, as a torch operator that says it writes
+    k_cache and v_cache (the append of k_new, v_new), so torch.compile traces a decoding step
+    whole. cache_seqlens: an integer tensor (a CUDA one is used as given, never read back), an int,
+    a list, or None. No gradient. Returns out, or (out, lse) with return_lse=True."""
+    lengths = cache_seqlens
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and _is_int(lengths, 0, 2**31):  # one length for every sequence
+        lengths = torch.full((q.shape[0],), lengths, dtype=torch.int32)  # host values, checked as such
+    elif isinstance(lengths, (list, tuple)) and all(_is_int(n, 0, 2**31) for n in lengths):
+        lengths = torch.tensor(lengths, dtype=torch.int32)
+    args = _operator_args(q, k_cache, v_cache, causal, scale, window, softcap, alibi_slopes, 0.0, None, 0, False)
+    carried = (args is not None and (lengths is None or isinstance(lengths, torch.Tensor))
+               and all(x is None or isinstance(x, torch.Tensor) for x in (k_new, v_new))
+               and (num_splits is None or _is_int(num_splits)))
+    if not carried:  # the generic path, whose checks name a wrong argument
+        return _eager(decode.attention_decode)(
+            q, k_cache, v_cache, cache_seqlens, k_new=k_new, v_new=v_new, causal=causal, window=window, scale=scale,
+            return_lse=return_lse, num_splits=num_splits, softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = _attention_decode(q, k_cache, v_cache, lengths, k_new, v_new, causal, args[4], *args[5:10],
+                                 num_splits)
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("cupyflash::attention_decode", mutates_args=("k_cache", "v_cache"))
+def _attention_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None,
+    k_new: torch.Tensor | None, v_new: torch.Tensor | None, causal: bool, scale: float | None, windowed: bool,
+    window_left: int | None, window_right: int | None, softcap: float | None, alibi_slopes: torch.Tensor | None,
+    num_splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with _on_torch_stream(q):
+        out, lse = decode.attention_decode(
+            q, k_cache, v_cache, cache_seqlens, k_new=k_new, v_new=v_new, causal=causal,
+            window=(window_left, window_right) if windowed else None, scale=scale, return_lse=True,
+            num_splits=num_splits, softcap=softcap, alibi_slopes=alibi_slopes)
+    return _as_torch(out), _as_torch(lse)
+
+
+@_attention_decode.register_fake
+def _(q, k_cache, v_cache, *options):
+    batch, seqlen_q, heads, _ = q.shape
+    lse_type = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=lse_type)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
