@@ -1,0 +1,112 @@
+"""cupyflash as an attention implementation of Hugging Face transformers.
+
+    import cupyflash.transformers                      # registers "cupy_attention"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="cupy_attention")
+
+Importing the module registers `attention` with transformers' `AttentionInterface` and, with its
+`AttentionMaskInterface`, the mask transformers hands flash_attention_2: None when no token is
+padding, else the 2-D padding mask (batch, keys), True where a token is real. So a padded batch
+(left or right padding) reaches the varlen kernels, its real tokens packed, with no 4-D mask and
+no call to torch's SDPA. A padding-free packed batch (one row of concatenated sequences, given as
+`cu_seq_lens_q` / `cu_seq_lens_k` or as position ids that restart) takes varlen too. Keys and
+values keep their heads (GQA and MQA are read in place). The layer's causality, scaling, sliding
+window (key j for query i when i - window < j <= i), softcap and dropout come from transformers'
+arguments, as for flash_attention_2.
+Importing this module imports torch and transformers, which cupyflash does not otherwise need.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from transformers import masking_utils
+
+from cupyflash.frameworks import torch as adapter
+
+__all__ = ["NAME", "attention"]
+
+# Not "cupyflash": transformers takes every name holding "flash" for a flash-attn build and tries to
+# import one for it.
+NAME = "cupy_attention"
+
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None,
+              is_causal=None, **kwargs):
+    """transformers' attention-function signature: query (batch, heads, seq_q, head_dim), key and
+    value (batch, heads_kv, seq_k, head_dim), attention_mask None or the 2-D padding mask of
+    `AttentionMaskInterface`; returns ((batch, seq_q, heads, head_dim), None)."""
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"cupyflash.transformers: attention sinks ({name}) are not supported")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("cupyflash.transformers: output_attentions=True needs attn_implementation='eager'")
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError("cupyflash.transformers: a value head dim other than the query's is not supported")
+    causal = bool(module.is_causal if is_causal is None else is_causal)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (batch, seq, heads, head_dim), no copy
+    window = None
+    if sliding_window is not None:
+        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    options = dict(causal=causal, scale=scaling, window=window, softcap=softcap or None, dropout_p=dropout)
+    packed = _packed_lengths(q, kwargs)
+    if packed is not None:
+        out = adapter.attention_varlen(q[0], k[0], v[0], *packed, **options)
+        return out.unsqueeze(0), None
+    if attention_mask is None:
+        return adapter.attention(q, k, v, **options), None
+    if attention_mask.dim() != 2:
+        raise ValueError(f"cupyflash.transformers: attention_mask must be the 2-D padding mask (batch, keys) of the "
+                         f"'{NAME}' mask interface, got shape {tuple(attention_mask.shape)}")
+    return _padded(q, k, v, attention_mask, options), None
+
+
+def _packed_lengths(q, kwargs):
+    """(cu_seqlens_q, cu_seqlens_k, max_q, max_k) of a padding-free packed batch (one row), from
+    transformers' cu_seq_lens_* arguments or from position ids that restart; else None."""
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return (kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
+                _as_int(kwargs.get("max_length_q")), _as_int(kwargs.get("max_length_k")))
+    positions = kwargs.get("position_ids")
+    if positions is None or q.shape[0] != 1 or positions.shape[-1] != q.shape[1]:
+        return None
+    positions = positions.reshape(-1)
+    starts = (positions == positions.min()).nonzero().reshape(-1)
+    if starts.numel() <= 1:
+        return None
+    cu_seqlens = torch.cat((starts, starts.new_tensor([positions.numel()]))).to(torch.int32)
+    return cu_seqlens, cu_seqlens, None, None
+
+
+def _as_int(x):
+    return int(x) if x is not None else None
+
+
+def _padded(q, k, v, mask, options):
+    """A padded batch through the varlen kernels: each sequence's real keys (mask True) and, for
+    the queries, the last seq_q positions of the mask (all of it without a cache), packed; rows of
+    padding queries get 0."""
+    batch, seqlen_q = q.shape[:2]
+    key_rows = mask.reshape(-1).nonzero().reshape(-1)
+    query_mask = mask[:, -seqlen_q:]
+    query_rows = query_mask.reshape(-1).nonzero().reshape(-1)
+    cu_seqlens_k = _cumulative(mask.sum(dim=1))
+    cu_seqlens_q = _cumulative(query_mask.sum(dim=1))
+    packed = adapter.attention_varlen(
+        q.reshape(batch * seqlen_q, *q.shape[2:])[query_rows], k.reshape(-1, *k.shape[2:])[key_rows],
+        v.reshape(-1, *v.shape[2:])[key_rows], cu_seqlens_q, cu_seqlens_k, **options)
+    out = packed.new_zeros((batch * seqlen_q, *packed.shape[1:]))
+    out = out.index_copy(0, query_rows, packed)
+    return out.reshape(batch, seqlen_q, *packed.shape[1:])
+
+
+def _cumulative(lengths):
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def register():
+    """Registers `attention` and its mask as attn_implementation "cupyflash" (done on import)."""
+    transformers.AttentionInterface.register(NAME, attention)
+    masking_utils.AttentionMaskInterface.register(NAME, masking_utils.flash_attention_mask)
+
+
+register()

@@ -1,0 +1,154 @@
+"""cupyflash as transformers' attn_implementation (cupyflash.transformers), on CPU tensors (the
+NumPy path): Llama-style GQA decoders plain, left- and right-padded and packed without padding,
+a Mistral sliding window, Gemma 2's softcap, a BERT encoder with padding, greedy generation, and
+a training step's gradients. Each is judged by the tolerance rule against the same model with
+torch's SDPA in float64, the baseline SDPA in float32 (eager attention for the softcap, which SDPA
+does not apply; eager's float64 padding mask turns a left-padded row into NaN)."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+import cupyflash.transformers  # noqa: E402
+from cupyflash.frameworks import transformers as adapter  # noqa: E402
+from rule import assert_within_rule  # noqa: E402
+
+IMPL = cupyflash.transformers.NAME
+
+
+def llama(**extra):
+    return transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **extra)
+
+
+def models(config, model_class=transformers.LlamaForCausalLM, peer="sdpa"):
+    """{name: model}: ours in float32, `peer` attention in float32 (the baseline) and float64 (the
+    exact one), all with the same weights."""
+    base = model_class._from_config(copy.deepcopy(config), attn_implementation=peer).eval()
+    built = {}
+    for name, impl, dtype in (("ours", IMPL, torch.float32), ("baseline", peer, torch.float32),
+                              ("exact", peer, torch.float64)):
+        model = model_class._from_config(copy.deepcopy(config), attn_implementation=impl).eval()
+        model.load_state_dict(base.state_dict())
+        built[name] = model.to(dtype)
+    assert built["ours"].config._attn_implementation == IMPL
+    return built
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The adapter's calls of cupyflash ("dense", "varlen"): a model that never reaches cupyflash
+    fails the tests that expect it."""
+    seen = []
+    for name, label in (("attention", "dense"), ("attention_varlen", "varlen")):
+        real = getattr(adapter.adapter, name)
+        monkeypatch.setattr(adapter.adapter, name, lambda *a, _real=real, _label=label, **k: (
+            seen.append(_label), _real(*a, **k))[1])
+    return seen
+
+
+def outputs(built, select=lambda x: x, **inputs):
+    """{name: the model's logits (or last hidden state)}, through `select`."""
+    results = {}
+    with torch.no_grad():
+        for name, model in built.items():
+            out = model(**inputs)
+            results[name] = select(out["logits"] if "logits" in out else out["last_hidden_state"])
+    return results
+
+
+def judge(results, name="logits"):
+    assert_within_rule(name, results["ours"], results["exact"], results["baseline"], "float32")
+
+
+def test_plain_and_padded_batches(rng, calls):
+    torch.manual_seed(int(rng.integers(2**31)))
+    built = models(llama())
+    ids = torch.randint(0, 97, (3, 37))
+    judge(outputs(built, input_ids=ids))
+    assert calls == ["dense", "dense"]
+    mask = torch.ones(3, 37, dtype=torch.long)
+    mask[0, 29:] = 0  # right padding
+    mask[1, :11] = 0  # left padding
+    real = mask.bool()
+    judge(outputs(built, lambda x: x[real], input_ids=ids, attention_mask=mask))
+    assert calls[2:] == ["varlen", "varlen"]
+
+
+def test_packed_sequences_without_padding(rng, calls):
+    """One row of three concatenated sequences, position ids restarting at each: each sequence
+    attends to itself only, as when it runs alone."""
+    torch.manual_seed(int(rng.integers(2**31)))
+    built = models(llama())
+    lengths = [9, 20, 14]
+    ids = torch.randint(0, 97, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = outputs(built, input_ids=ids, position_ids=positions)
+    assert calls == ["varlen", "varlen"]
+    alone = [outputs(built, input_ids=part) for part in ids.split(lengths, dim=1)]
+    assert_within_rule("logits", packed["ours"], torch.cat([a["exact"] for a in alone], dim=1),
+                       torch.cat([a["baseline"] for a in alone], dim=1), "float32")
+
+
+def test_sliding_window_and_softcap(rng, calls):
+    torch.manual_seed(int(rng.integers(2**31)))
+    mistral = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=1, sliding_window=6,
+                                         max_position_embeddings=256)
+    ids = torch.randint(0, 97, (2, 30))
+    judge(outputs(models(mistral, transformers.MistralForCausalLM), input_ids=ids))
+    gemma = transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      attn_logit_softcapping=0.1, sliding_window=8, max_position_embeddings=256)
+    judge(outputs(models(gemma, transformers.Gemma2ForCausalLM, peer="eager"), input_ids=ids))
+    assert set(calls) == {"dense"} and len(calls) == 4
+
+
+def test_a_padded_encoder(rng, calls):
+    torch.manual_seed(int(rng.integers(2**31)))
+    bert = transformers.BertConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=128)
+    ids = torch.randint(0, 97, (3, 25))
+    mask = torch.ones(3, 25, dtype=torch.long)
+    mask[0, 17:] = 0
+    mask[2, 3:] = 0
+    real = mask.bool()
+    judge(outputs(models(bert, transformers.BertModel), lambda x: x[real], input_ids=ids, attention_mask=mask),
+          "hidden states")
+    assert calls and set(calls) == {"varlen"}
+
+
+def test_greedy_generation_equals_eager(rng, calls):
+    torch.manual_seed(int(rng.integers(2**31)))
+    built = models(llama())
+    ids = torch.randint(0, 97, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0  # left padding, as generation pads
+    tokens = {}
+    for name in ("ours", "exact"):
+        with torch.no_grad():
+            tokens[name] = built[name].generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                                pad_token_id=0)
+    assert torch.equal(tokens["ours"], tokens["exact"])
+    assert "varlen" in calls
+
+
+def test_a_training_step(rng):
+    torch.manual_seed(int(rng.integers(2**31)))
+    built = models(llama())
+    ids = torch.randint(0, 97, (2, 24))
+    grads = {}
+    for name, model in built.items():
+        model.train()
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[name] = model.model.layers[0].self_attn.q_proj.weight.grad
+    judge(grads, "q_proj gradient")
+
+
+def test_what_it_does_not_take_says_so():
+    built = models(llama())["ours"]
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        built(input_ids=torch.zeros(1, 5, dtype=torch.long), output_attentions=True)
