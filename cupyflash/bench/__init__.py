@@ -9,6 +9,7 @@ PNG named by device and date, with a table printed last.
     --varlen      packed variable-length batches beside the same sequences padded
     --variants    GQA, windows, softcap, ALiBi and dropout beside dense causal attention
     --host        the host's time per call, beside SDPA's and the torch adapter's
+    --models      training steps of transformers and timm models with each attention
     --accuracy    16-bit errors against float64 beside FlashAttention-2's, on random problems
     --cpu         the NumPy fallback beside plain NumPy attention (needs no GPU)
 
@@ -23,7 +24,7 @@ import importlib
 from cupyflash import arguments
 
 PROG = "python -m cupyflash bench"
-GRIDS = ("sparse", "decode", "varlen", "variants", "host", "accuracy", "cpu")
+GRIDS = ("sparse", "decode", "varlen", "variants", "host", "models", "accuracy", "cpu")
 # What runs without a GPU: help, the CPU grid, and re-scoring a recorded CSV (--table).
 OFFLINE = ("-h", "--help", "--cpu", "--table")
 
