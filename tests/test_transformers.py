@@ -39,10 +39,10 @@ def models(config, model_class=transformers.LlamaForCausalLM, peer="sdpa"):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The adapter's calls of cupyflash ("dense", "varlen"): a model that never reaches cupyflash
-    fails the tests that expect it."""
+    """The adapter's calls of cupyflash ("dense", "varlen", "decode"): a model that never reaches
+    cupyflash fails the tests that expect it."""
     seen = []
-    for name, label in (("attention", "dense"), ("attention_varlen", "varlen")):
+    for name, label in (("attention", "dense"), ("attention_varlen", "varlen"), ("attention_decode", "decode")):
         real = getattr(adapter.adapter, name)
         monkeypatch.setattr(adapter.adapter, name, lambda *a, _real=real, _label=label, **k: (
             seen.append(_label), _real(*a, **k))[1])
@@ -120,19 +120,29 @@ def test_a_padded_encoder(rng, calls):
     assert calls and set(calls) == {"varlen"}
 
 
-def test_greedy_generation_equals_eager(rng, calls):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("padding", ["left", "none"])
+def test_greedy_generation_equals_sdpa(rng, calls, cache, padding):
+    """Greedy tokens equal float64 SDPA's. Without padding every step after the prompt (and, with
+    a static cache, the prompt too: its keys are the cache's first rows) takes the decode kernels;
+    left-padded steps take varlen."""
     torch.manual_seed(int(rng.integers(2**31)))
     built = models(llama())
     ids = torch.randint(0, 97, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :4] = 0  # left padding, as generation pads
+    if padding == "left":
+        mask[1, :4] = 0  # as generation pads
     tokens = {}
     for name in ("ours", "exact"):
         with torch.no_grad():
             tokens[name] = built[name].generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                                                pad_token_id=0)
+                                                pad_token_id=0, cache_implementation=cache)
     assert torch.equal(tokens["ours"], tokens["exact"])
-    assert "varlen" in calls
+    steps = 8 * 2  # (tokens x layers)
+    if padding == "none":
+        assert calls.count("decode") >= steps - 2
+    else:
+        assert calls.count("varlen") >= steps - 2 and "decode" not in calls
 
 
 def test_a_training_step(rng):

@@ -11,7 +11,9 @@ no call to torch's SDPA. A padding-free packed batch (one row of concatenated se
 `cu_seq_lens_q` / `cu_seq_lens_k` or as position ids that restart) takes varlen too. Keys and
 values keep their heads (GQA and MQA are read in place). The layer's causality, scaling, sliding
 window (key j for query i when i - window < j <= i), softcap and dropout come from transformers'
-arguments, as for flash_attention_2.
+arguments, as for flash_attention_2. A generation step (up to 16 new queries against a longer
+cache, no gradient) takes the decode kernels (`attention_decode`) when each sequence's real keys
+come first (no padding, right padding, a static cache); left padding takes varlen.
 Importing this module imports torch and transformers, which cupyflash does not otherwise need.
 """
 
@@ -52,12 +54,41 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if packed is not None:
         out = adapter.attention_varlen(q[0], k[0], v[0], *packed, **options)
         return out.unsqueeze(0), None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(f"cupyflash.transformers: attention_mask must be the 2-D padding mask (batch, keys) of "
+                             f"the '{NAME}' mask interface, got shape {tuple(attention_mask.shape)}")
+        attention_mask = attention_mask.bool()
+        query_mask = attention_mask[:, -q.shape[1]:]  # the queries: the last of the keys the mask covers
+        if attention_mask.shape[1] < k.shape[1]:  # a static cache: the mask covers its filled rows
+            attention_mask = torch.nn.functional.pad(attention_mask, (0, k.shape[1] - attention_mask.shape[1]))
+    if _decoding(q, k, v, dropout):
+        lengths = None if attention_mask is None else _prefix_lengths(attention_mask)
+        if attention_mask is None or lengths is not None:
+            del options["dropout_p"]
+            return adapter.attention_decode(q, k, v, lengths, **options), None
     if attention_mask is None:
         return adapter.attention(q, k, v, **options), None
-    if attention_mask.dim() != 2:
-        raise ValueError(f"cupyflash.transformers: attention_mask must be the 2-D padding mask (batch, keys) of the "
-                         f"'{NAME}' mask interface, got shape {tuple(attention_mask.shape)}")
-    return _padded(q, k, v, attention_mask, options), None
+    return _padded(q, k, v, attention_mask, query_mask, options), None
+
+
+# New queries up to which a step with a cache takes the decode kernels (split over the keys).
+DECODE_ROWS = 16
+
+
+def _decoding(q, k, v, dropout) -> bool:
+    """A generation step: a few new queries against more keys, no dropout, no gradient wanted."""
+    wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    return q.shape[1] <= DECODE_ROWS and q.shape[1] < k.shape[1] and not dropout and not wants_grad
+
+
+def _prefix_lengths(mask):
+    """Each sequence's number of keys where its real keys are the first ones (right padding, or a
+    static cache filled from the start), which `attention_decode` reads; None where some sequence
+    has padding before a real key (left padding: the varlen kernels take it)."""
+    lengths = mask.sum(dim=1, dtype=torch.int32)
+    prefix = torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]
+    return lengths if bool(torch.equal(prefix, mask)) else None
 
 
 def _packed_lengths(q, kwargs):
@@ -81,13 +112,11 @@ def _as_int(x):
     return int(x) if x is not None else None
 
 
-def _padded(q, k, v, mask, options):
-    """A padded batch through the varlen kernels: each sequence's real keys (mask True) and, for
-    the queries, the last seq_q positions of the mask (all of it without a cache), packed; rows of
-    padding queries get 0."""
+def _padded(q, k, v, mask, query_mask, options):
+    """A padded batch through the varlen kernels: each sequence's real keys (mask True) and real
+    queries (query_mask True), packed; rows of padding queries get 0."""
     batch, seqlen_q = q.shape[:2]
     key_rows = mask.reshape(-1).nonzero().reshape(-1)
-    query_mask = mask[:, -seqlen_q:]
     query_rows = query_mask.reshape(-1).nonzero().reshape(-1)
     cu_seqlens_k = _cumulative(mask.sum(dim=1))
     cu_seqlens_q = _cumulative(query_mask.sum(dim=1))
