@@ -293,17 +293,22 @@ def _attention_forward(
     seed, offset = dropout_seed(dropout_p, seed, offset, q)
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                                 seed, offset, deterministic)
-    return (*_forward(q, k, v, options), _rng_state(seed, offset))
+    return (*_forward(q, k, v, options), _rng_state(q, dropout_p, seed, offset))
 
 
-def _rng_state(seed, offset) -> torch.Tensor:
-    """The dropout seed and offset a forward drew (from torch's generator where none was given), as
-    a host tensor the backward operator reads them from; (0, 0) without dropout."""
-    return torch.tensor([seed or 0, offset if seed is not None else 0], dtype=torch.int64)
+def _rng_state(q, dropout_p, seed, offset) -> torch.Tensor:
+    """With dropout, the seed and offset the forward drew (from torch's generator where none was
+    given) as a host tensor the backward operator reads them from; without, an empty tensor on q's
+    device (no host tensor in a graph that CUDA graphs capture, no copy)."""
+    if dropout_p > 0:
+        return torch.tensor([seed, offset], dtype=torch.int64)
+    return q.new_empty((0,), dtype=torch.int64)
 
 
-def _fake_rng_state(q) -> torch.Tensor:
-    return q.new_empty((2,), dtype=torch.int64, device="cpu")
+def _fake_rng_state(q, dropout_p) -> torch.Tensor:
+    if dropout_p > 0:
+        return q.new_empty((2,), dtype=torch.int64, device="cpu")
+    return q.new_empty((0,), dtype=torch.int64)
 
 
 @_attention_forward.register_fake
@@ -311,7 +316,8 @@ def _(q, k, v, causal, scale, windowed, window_left, window_right, softcap, alib
       deterministic):
     batch, seqlen_q, heads, _ = q.shape
     lse_type = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=lse_type), _fake_rng_state(q)
+    return (q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=lse_type),
+            _fake_rng_state(q, dropout_p))
 
 
 @torch.library.custom_op("cupyflash::attention_backward", mutates_args=())
