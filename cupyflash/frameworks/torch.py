@@ -28,8 +28,8 @@ from cupyflash.problem import Options, lse_dtype
 from cupyflash.runtime import workspace
 from cupyflash.validation import BFLOAT16
 
-__all__ = ["attention", "attention_varlen", "attention_decode", "scaled_dot_product_attention",
-           "FlashAttentionFunction", "FlashAttentionVarlenFunction"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_decode",
+           "scaled_dot_product_attention", "FlashAttentionFunction", "FlashAttentionVarlenFunction"]
 
 _CUPY_DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BFLOAT16, torch.float32: numpy.float32,
                 torch.float64: numpy.float64}
@@ -489,6 +489,28 @@ def _varlen_gradients(ctx, dout, _dlse):
 
 
 _attention_varlen_forward.register_autograd(_varlen_gradients, setup_context=_setup_varlen_backward)
+
+
+def attention_backward(
+    dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic=False, window=None, softcap=None,
+    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+):
+    """`cupyflash.attention_backward` for torch tensors: (dq, dk, dv) of the forward's out and lse,
+    on torch's current stream, through the backward operator (for a custom autograd.Function built
+    from cupyflash's pieces, such as ring attention's). out and lse are used as given: the backward
+    recomputes P from lse, so a merged (global) out and lse give each key block's share of the
+    gradients. With dropout, pass the forward's seed and offset."""
+    if isinstance(alibi_slopes, torch.Tensor):
+        alibi_slopes = alibi_slopes.detach()
+    args = _operator_args(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset,
+                          deterministic)
+    tensors = (dout, out, lse)
+    if args is None or not all(isinstance(x, torch.Tensor) for x in tensors) or (dropout_p > 0 and seed is None):
+        options = Options(causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap,
+                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+        return _eager(_backward)(dout, q, k, v, out, lse, options)
+    state = _rng_state(q, args[10], seed, offset)
+    return _attention_backward(dout, *args[:3], out, lse, *args[3:11], state, deterministic)
 
 
 def attention_decode(

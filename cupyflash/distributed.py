@@ -1,0 +1,7 @@
+"""Context parallelism: ring attention over a torch.distributed group (NCCL or gloo), with
+`shard` and `gather` for the sequence layouts; the adapter itself is
+cupyflash/frameworks/distributed.py. Importing this module imports torch."""
+
+from cupyflash.frameworks.distributed import RingAttention, gather, ring_attention, shard  # noqa: F401
+
+__all__ = ["ring_attention", "shard", "gather", "RingAttention"]
