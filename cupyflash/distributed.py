@@ -2,6 +2,8 @@
 `shard` and `gather` for the sequence layouts; the adapter itself is
 cupyflash/frameworks/distributed.py. Importing this module imports torch."""
 
-from cupyflash.frameworks.distributed import RingAttention, gather, ring_attention, shard  # noqa: F401
+from cupyflash.frameworks.distributed import (  # noqa: F401
+    RingAttention, context_parallel, gather, ring_attention, shard,
+)
 
-__all__ = ["ring_attention", "shard", "gather", "RingAttention"]
+__all__ = ["ring_attention", "shard", "gather", "context_parallel", "RingAttention"]

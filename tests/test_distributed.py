@@ -108,3 +108,61 @@ def layouts_and_checks(rank, world, store):
 
 def test_layouts_round_trip_and_bad_calls_are_named(tmp_path):
     multiprocessing.spawn(layouts_and_checks, args=(2, tmp_path / "store"), nprocs=2)
+
+
+def tiny_model(dtype, seed):
+    """Two causal self-attention layers calling torch's SDPA (GQA), with projections."""
+    gen = torch.Generator().manual_seed(seed)  # the same weights in every dtype: drawn in float64
+    weights = [torch.randn(32, 32 + 16 + 16, generator=gen, dtype=torch.float64) / 32**0.5,
+               torch.randn(32, 32, generator=gen, dtype=torch.float64) / 32**0.5]
+    weights = [w.to(dtype).requires_grad_() for w in weights]
+
+    def forward(x):
+        for _ in range(2):
+            qkv = x @ weights[0]
+            q, k, v = qkv.split((32, 16, 16), dim=-1)
+            q, k, v = (t.unflatten(-1, (-1, 8)).transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, 8)
+            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + attended.transpose(1, 2).flatten(-2) @ weights[1]
+        return x
+
+    return forward, weights
+
+
+def model_under_context_parallel(rank, world, store, seed, dtype_name):
+    """A model whose inputs are sharded, its SDPA calls ring attention: its output (gathered) and
+    its weights' gradients (summed over the ranks) against the model on the whole sequence."""
+    import cupyflash.distributed as cfd
+    from rule import assert_within_rule
+
+    joined(rank, world, store)
+    passed = False
+    try:
+        dtype = getattr(torch, dtype_name)
+        x = torch.from_numpy(numpy.random.default_rng(seed).standard_normal((2, 8 * world, 32))).to(dtype)
+        forward, weights = tiny_model(dtype, seed)
+        with cfd.context_parallel():
+            out = forward(cfd.shard(x, causal=True))
+        out.square().sum().backward()
+        for w in weights:
+            dist.all_reduce(w.grad)
+        got = [cfd.gather(out.detach(), causal=True)] + [w.grad for w in weights]
+        if rank == 0:
+            results = {}
+            for name, run_dtype in (("exact", torch.float64), ("baseline", dtype)):
+                forward, weights = tiny_model(run_dtype, seed)
+                whole = forward(x.to(run_dtype))
+                whole.square().sum().backward()
+                results[name] = [whole.detach()] + [w.grad for w in weights]
+            for name, *triple in zip(("out", "qkv weight gradient", "output weight gradient"), got,
+                                     results["exact"], results["baseline"]):
+                assert_within_rule(name, *triple, dtype_name)
+        passed = True
+    finally:
+        left(passed)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+def test_a_model_under_context_parallel(rng, tmp_path, dtype_name):
+    multiprocessing.spawn(model_under_context_parallel, args=(2, tmp_path / "store", int(rng.integers(2**31)),
+                                                              dtype_name), nprocs=2)

@@ -18,16 +18,21 @@ Sharding (dimension 1, the sequence, of (batch, seq, heads, head_dim) tensors): 
 rank r the r-th of world equal parts; "zigzag" (the default with causal=True) splits the sequence
 into 2 x world parts and gives rank r parts r and 2 world - 1 - r, so that under a causal mask every
 rank has the same work at every step (ring-flash-attention's and Megatron's load balancing).
+
+`context_parallel()` makes torch's SDPA ring attention for the block, so that a model written
+with SDPA runs on inputs sharded along the sequence.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 from cupyflash.frameworks import torch as adapter
 
-__all__ = ["ring_attention", "shard", "gather", "RingAttention"]
+__all__ = ["ring_attention", "shard", "gather", "context_parallel", "RingAttention"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -202,3 +207,32 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, layout=None
         raise ValueError(f"a zigzag shard holds two equal parts: its length must be even, got {q.shape[1]}")
     out, lse = RingAttention.apply(q, k, v, bool(causal), scale, layout, group)
     return (out, lse) if return_lse else out
+
+
+@contextlib.contextmanager
+def context_parallel(group=None, *, layout="zigzag"):
+    """Within the block, `torch.nn.functional.scaled_dot_product_attention` is ring attention over
+    `group`, for a model whose inputs each rank holds sharded along the sequence (`shard(x,
+    layout=layout)`; PyTorch's `context_parallel` in spirit): its query, key and value are this
+    rank's (batch, heads, seq, head_dim) shards, is_causal is over the whole sequence, enable_gqa
+    and scale as SDPA's. What the ring cannot compute from shards (an attn_mask, dropout, other
+    ranks of tensors) raises NotImplementedError. Positions (rotary embeddings, position ids) are
+    the model's to take from the sharded layout."""
+    layout = _layout(layout, True)
+    torch_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or dropout_p or query.dim() != 4:
+            raise NotImplementedError("cupyflash.distributed.context_parallel: ring attention takes 4-D query, key "
+                                      "and value shards without attn_mask or dropout")
+        if key.shape[1] != query.shape[1] and not enable_gqa:
+            raise ValueError(f"key has {key.shape[1]} heads and query {query.shape[1]}: pass enable_gqa=True, as SDPA "
+                             "needs")
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        return ring_attention(q, k, v, group, causal=is_causal, scale=scale, layout=layout).transpose(1, 2)
+
+    torch.nn.functional.scaled_dot_product_attention = ring_sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = torch_sdpa
