@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
+from typing import Optional
 
 import numpy
 import torch
@@ -286,9 +287,9 @@ def _operator_options(causal, scale, windowed, window_left, window_right, softca
 
 @torch.library.custom_op("cupyflash::attention_forward", mutates_args=())
 def _attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None, windowed: bool,
-    window_left: int | None, window_right: int | None, softcap: float | None, alibi_slopes: torch.Tensor | None,
-    dropout_p: float, seed: int | None, offset: int, deterministic: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float], windowed: bool,
+    window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
+    alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int], offset: int, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     seed, offset = dropout_seed(dropout_p, seed, offset, q)
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
@@ -323,8 +324,8 @@ def _(q, k, v, causal, scale, windowed, window_left, window_right, softcap, alib
 @torch.library.custom_op("cupyflash::attention_backward", mutates_args=())
 def _attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float | None, windowed: bool, window_left: int | None, window_right: int | None,
-    softcap: float | None, alibi_slopes: torch.Tensor | None, dropout_p: float, rng_state: torch.Tensor,
+    causal: bool, scale: Optional[float], windowed: bool, window_left: Optional[int], window_right: Optional[int],
+    softcap: Optional[float], alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng_state: torch.Tensor,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     seed, offset = _drawn(dropout_p, rng_state)
@@ -440,9 +441,9 @@ def _varlen_options(causal, scale, windowed, window_left, window_right, softcap,
 @torch.library.custom_op("cupyflash::attention_varlen_forward", mutates_args=())
 def _attention_varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int | None, max_seqlen_k: int | None, causal: bool, scale: float | None, windowed: bool,
-    window_left: int | None, window_right: int | None, softcap: float | None, alibi_slopes: torch.Tensor | None,
-    dropout_p: float, seed: int | None, offset: int, deterministic: bool,
+    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool, scale: Optional[float], windowed: bool,
+    window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
+    alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int], offset: int, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     options = _varlen_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                               seed, offset)
@@ -459,9 +460,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
 @torch.library.custom_op("cupyflash::attention_varlen_backward", mutates_args=())
 def _attention_varlen_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None, max_seqlen_k: int | None,
-    causal: bool, scale: float | None, windowed: bool, window_left: int | None, window_right: int | None,
-    softcap: float | None, alibi_slopes: torch.Tensor | None, dropout_p: float, seed: int | None, offset: int,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+    causal: bool, scale: Optional[float], windowed: bool, window_left: Optional[int], window_right: Optional[int],
+    softcap: Optional[float], alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int], offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     options = _varlen_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
@@ -541,10 +542,10 @@ def attention_decode(
 
 @torch.library.custom_op("cupyflash::attention_decode", mutates_args=("k_cache", "v_cache"))
 def _attention_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None,
-    k_new: torch.Tensor | None, v_new: torch.Tensor | None, causal: bool, scale: float | None, windowed: bool,
-    window_left: int | None, window_right: int | None, softcap: float | None, alibi_slopes: torch.Tensor | None,
-    num_splits: int | None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],
+    k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], causal: bool, scale: Optional[float], windowed: bool,
+    window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
+    alibi_slopes: Optional[torch.Tensor], num_splits: Optional[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     with _on_torch_stream(q):
         out, lse = decode.attention_decode(
