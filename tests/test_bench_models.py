@@ -35,3 +35,16 @@ def test_flash_attn_missing_is_a_skip():
         pytest.skip("flash-attn is installed here")
     with pytest.raises(models.Skip, match="flash-attn is not installed"):
         models.run(tiny()[0], "flash-attn", steps=1, warmup=0, dtype=torch.float32, device="cpu")
+
+
+def test_the_loss_curve_learns_and_is_judged_by_the_seed_spread():
+    blocks = models.corpus(60, 4, 32, 64)
+    tiny = dict(layers=2, hidden=64, heads=4, vocab=64)
+    curves = {"sdpa seed 0": models.loss_curve("sdpa", 0, blocks, torch.float32, "cpu", **tiny),
+              "sdpa seed 1": models.loss_curve("sdpa", 1, blocks, torch.float32, "cpu", **tiny),
+              "cupyflash": models.loss_curve("cupy_attention", 0, blocks, torch.float32, "cpu", **tiny)}
+    assert curves["sdpa seed 0"][-1] < 0.9 * curves["sdpa seed 0"][0], "the model did not learn"
+    assert models.curve_verdict(curves, tail=5)[0]
+    spread = abs(sum(curves["sdpa seed 1"][-5:]) - sum(curves["sdpa seed 0"][-5:])) / 5
+    shifted = dict(curves, cupyflash=[x + 2 * spread + 1e-2 for x in curves["cupyflash"]])
+    assert not models.curve_verdict(shifted, tail=5)[0]

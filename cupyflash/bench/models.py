@@ -8,6 +8,11 @@ heads, head dim 64), 8192 tokens a batch (or one sequence of seqlen) at each --s
 BERT-base encoder (transformers), 16 sequences padded to 512 (real lengths 128-512, seeded: the
 padding mask reaches the attention); "vit", ViT-B/16 (timm), 32 images of 224 x 224.
 
+With --curve: a GPT-2-small-style model (12 layers, hidden 768, 12 heads) trained --curve-steps
+steps on a fixed synthetic corpus (8 x 1024 tokens a step) with SDPA at two weight seeds and with
+cupyflash (from seed 0's weights), the losses overlaid in a PNG; it passes when cupyflash's final
+loss differs from SDPA seed 0's by no more than SDPA's two seeds differ.
+
 Attentions: torch's SDPA (its own choice; the FlashAttention-2 and cuDNN backends forced), the
 same compiled (torch.compile), flash-attn's flash_attention_2 where flash-attn is installed, and
 cupyflash (transformers' attn_implementation "cupy_attention"; timm's calls of SDPA through
@@ -67,9 +72,94 @@ def parser() -> arguments.Parser:
     ap.add_argument("--steps", type=arguments.positive_int, default=10, help="timed training steps per row")
     ap.add_argument("--warmup", type=arguments.positive_int, default=3,
                     help="untimed steps first (compilation, CUDA-graph capture)")
+    ap.add_argument("--curve", action="store_true",
+                    help="instead of timing: the loss curve of a GPT-2-small-style model trained on a fixed "
+                         "synthetic corpus with SDPA (two seeds) and with cupyflash, overlaid in a PNG")
+    ap.add_argument("--curve-steps", type=arguments.positive_int, default=300, help="training steps of --curve")
     ap.add_argument("--out", type=pathlib.Path, default=common.RESULTS,
                     help="the folder for the result files")
     return ap
+
+
+def corpus(steps: int, batch: int, seqlen: int, vocab: int, seed: int = 0):
+    """A fixed synthetic corpus a language model can learn: token streams of a seeded sparse Markov
+    chain (each token has 4 likely successors), one (batch, seqlen) block of ids per step."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, vocab, (vocab, 4), generator=gen)
+    blocks = torch.empty((steps, batch, seqlen), dtype=torch.long)
+    state = torch.randint(0, vocab, (steps, batch), generator=gen)
+    for t in range(seqlen):
+        blocks[:, :, t] = state
+        choice = torch.randint(0, 4, (steps, batch), generator=gen)
+        state = successors[state, choice]
+    return blocks
+
+
+def loss_curve(impl: str, seed: int, blocks, dtype, device: str, layers: int = 12, hidden: int = 768,
+               heads: int = 12, vocab: int = 512) -> list:
+    """The training losses of a GPT-2-style model (weights from `seed`) on `blocks`, step by step."""
+    import torch
+    import transformers
+
+    if impl == "cupy_attention":
+        importlib.import_module("cupyflash.transformers")
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=blocks.shape[-1], n_embd=hidden, n_layer=layers,
+                                     n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation=impl, dtype=dtype).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    losses = []
+    for ids in blocks:
+        ids = ids.to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def curve_verdict(curves: dict, tail: int = 20) -> tuple[bool, str]:
+    """Whether cupyflash's final loss (the mean of the last `tail` steps), from SDPA seed 0's
+    weights, differs from SDPA seed 0's by no more than SDPA's own seeds differ (at least 1e-3 of
+    the loss): the attention's effect within run-to-run variation."""
+    finals = {name: sum(c[-tail:]) / len(c[-tail:]) for name, c in curves.items()}
+    base = finals["sdpa seed 0"]
+    spread = max(abs(finals["sdpa seed 1"] - base), 1e-3 * abs(base))
+    difference = finals["cupyflash"] - base
+    text = (f"final losses (mean of the last {tail} steps): " + ", ".join(f"{k} {v:.4f}" for k, v in finals.items())
+            + f"; cupyflash - SDPA seed 0 {difference:+.4f}, SDPA's seed spread {spread:.4f}")
+    return abs(difference) <= spread, text
+
+
+def curve_main(args) -> int:
+    import torch
+
+    matplotlib, _, device, _, stem = common.start_run("loss-curve")
+    blocks = corpus(args.curve_steps, batch=8, seqlen=1024, vocab=512)
+    curves = {"sdpa seed 0": loss_curve("sdpa", 0, blocks, torch.bfloat16, "cuda"),
+              "sdpa seed 1": loss_curve("sdpa", 1, blocks, torch.bfloat16, "cuda"),
+              "cupyflash": loss_curve("cupy_attention", 0, blocks, torch.bfloat16, "cuda")}
+    ok, text = curve_verdict(curves)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, losses in curves.items():
+        ax.plot(losses, label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{device}: GPT-2-small-style model, bf16, synthetic corpus")
+    ax.legend()
+    fig.tight_layout()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{stem}.png"
+    fig.savefig(path, dpi=120)
+    print(f"# wrote {path}\n# {text}\n# {'PASS' if ok else 'FAIL'}: cupyflash's final loss "
+          f"{'within' if ok else 'outside'} SDPA's seed spread of SDPA's")
+    return 0 if ok else 1
 
 
 def llama(seqlen: int, tokens: int = 8192, layers: int = 6, hidden: int = 1024, heads: int = 16, kv_heads: int = 4,
@@ -295,6 +385,8 @@ def _plot(rows, path, device, matplotlib):
 def main(args) -> int:
     import torch
 
+    if args.curve:
+        return curve_main(args)
     matplotlib, _, device, _, stem = common.start_run("models")
     rows = []
     for workload in workloads(args.model or MODELS, args.seqlen or (2048, 8192, 32768)):
