@@ -85,10 +85,13 @@ class _Ring:
         self.previous = dist.get_global_rank(whole, (self.rank - 1) % self.world)
 
     def shift(self, x):
-        """Starts sending x to the next rank and receiving the previous rank's into a new buffer:
-        (wait, buffer); wait() returns once both are done."""
+        """Starts sending x to the next rank and receiving the previous rank's into a new buffer;
+        returns wait(), which gives the buffer once both are done. The pair goes as one batch
+        (batch_isend_irecv): NCCL queues a lone send and a lone receive in order on one stream,
+        where every rank's send would wait for a receive queued behind it."""
         buffer = torch.empty_like(x)
-        works = [dist.isend(x, self.next, group=self.group), dist.irecv(buffer, self.previous, group=self.group)]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, self.next, self.group),
+                                        dist.P2POp(dist.irecv, buffer, self.previous, self.group)])
 
         def wait():
             for work in works:

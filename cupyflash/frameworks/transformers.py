@@ -133,7 +133,7 @@ def _cumulative(lengths):
 
 
 def register():
-    """Registers `attention` and its mask as attn_implementation "cupyflash" (done on import)."""
+    """Registers `attention` and its mask as attn_implementation NAME (done on import)."""
     transformers.AttentionInterface.register(NAME, attention)
     masking_utils.AttentionMaskInterface.register(NAME, masking_utils.flash_attention_mask)
 
