@@ -120,6 +120,24 @@ def test_a_padded_encoder(rng, calls):
     assert calls and set(calls) == {"varlen"}
 
 
+@pytest.mark.parametrize("decoder_length", [20, 9])
+def test_cross_attention_of_an_encoder_decoder(rng, calls, decoder_length):
+    """BART with a padded encoder batch (right and left): the decoder's cross-attention reads the
+    encoder's mask for its keys only, its own queries all real, also when the lengths are equal."""
+    torch.manual_seed(int(rng.integers(2**31)))
+    bart = transformers.BartConfig(vocab_size=97, d_model=32, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                   decoder_ffn_dim=64, max_position_embeddings=64)
+    ids = torch.randint(3, 97, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, 14:] = 0
+    mask[1, :5] = 0
+    decoder_ids = torch.randint(3, 97, (2, decoder_length))
+    judge(outputs(models(bart, transformers.BartForConditionalGeneration), input_ids=ids, attention_mask=mask,
+                  decoder_input_ids=decoder_ids))
+    assert "varlen" in calls
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("padding", ["left", "none"])
 def test_greedy_generation_equals_sdpa(rng, calls, cache, padding):

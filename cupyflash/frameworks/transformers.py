@@ -13,7 +13,8 @@ values keep their heads (GQA and MQA are read in place). The layer's causality, 
 window (key j for query i when i - window < j <= i), softcap and dropout come from transformers'
 arguments, as for flash_attention_2. A generation step (up to 16 new queries against a longer
 cache, no gradient) takes the decode kernels (`attention_decode`) when each sequence's real keys
-come first (no padding, right padding, a static cache); left padding takes varlen.
+come first (no padding, right padding, a static cache); left padding takes varlen. Without a
+causal mask every query is computed (the mask may be the keys' alone: cross-attention).
 Importing this module imports torch and transformers, which cupyflash does not otherwise need.
 """
 
@@ -59,7 +60,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
             raise ValueError(f"cupyflash.transformers: attention_mask must be the 2-D padding mask (batch, keys) of "
                              f"the '{NAME}' mask interface, got shape {tuple(attention_mask.shape)}")
         attention_mask = attention_mask.bool()
-        query_mask = attention_mask[:, -q.shape[1]:]  # the queries: the last of the keys the mask covers
+        query_mask = _query_mask(attention_mask, q.shape[1], causal)
         if attention_mask.shape[1] < k.shape[1]:  # a static cache: the mask covers its filled rows
             attention_mask = torch.nn.functional.pad(attention_mask, (0, k.shape[1] - attention_mask.shape[1]))
     if _decoding(q, k, v, dropout):
@@ -70,6 +71,17 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if attention_mask is None:
         return adapter.attention(q, k, v, **options), None
     return _padded(q, k, v, attention_mask, query_mask, options), None
+
+
+def _query_mask(mask, seqlen_q: int, causal: bool):
+    """Which queries the varlen call takes. Causal (a decoder's self-attention): the real ones,
+    the last seqlen_q of the tokens the key mask covers (all of them without a cache); padding
+    rows get 0. Not causal: every query, since the mask may be another sequence's (an
+    encoder-decoder's cross-attention hands the encoder's, whatever the lengths); an encoder's
+    padding rows then get values no real token reads."""
+    if not causal:
+        return mask.new_ones((mask.shape[0], seqlen_q))
+    return mask[:, -seqlen_q:]
 
 
 # New queries up to which a step with a cache takes the decode kernels (split over the keys).
