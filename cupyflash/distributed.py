@@ -3,7 +3,8 @@
 cupyflash/frameworks/distributed.py. Importing this module imports torch."""
 
 from cupyflash.frameworks.distributed import (  # noqa: F401
-    RingAttention, context_parallel, gather, ring_attention, shard,
+    AllGatherAttention, RingAttention, allgather_attention, context_parallel, gather, ring_attention, shard,
 )
 
-__all__ = ["ring_attention", "shard", "gather", "context_parallel", "RingAttention"]
+__all__ = ["ring_attention", "allgather_attention", "shard", "gather", "context_parallel", "RingAttention",
+           "AllGatherAttention"]

@@ -1,5 +1,5 @@
-"""Ring attention (cupyflash.distributed) across 2 and 4 CPU processes over gloo, on the NumPy
-path: every rank's shard of the output and of dq, dk, dv, gathered, against single-device
+"""Ring attention and its all-gather variant (cupyflash.distributed) across 2 and 4 CPU
+processes over gloo, on the NumPy path: every rank's shard of the output and of dq, dk, dv, gathered, against single-device
 attention's float64 reference by the tolerance rule (float32 and float64), causal and not, both
 layouts, GQA; then the layouts' round trip and the checks."""
 
@@ -35,7 +35,7 @@ def left(passed: bool):
         os._exit(0)
 
 
-def ring_and_reference(rank, world, store, seed, causal, layout, dtype_name):
+def ring_and_reference(rank, world, store, seed, causal, layout, dtype_name, method="ring_attention"):
     """Runs on each rank; rank 0 judges the gathered results (an AssertionError fails the spawn)."""
     import cupyflash.distributed as cfd
     from rule import assert_within_rule
@@ -49,7 +49,7 @@ def ring_and_reference(rank, world, store, seed, causal, layout, dtype_name):
         q, dout = (torch.from_numpy(rng.standard_normal((2, seqlen, 4, 24))).to(dtype) for _ in range(2))
         k, v = (torch.from_numpy(rng.standard_normal((2, seqlen, 2, 24))).to(dtype) for _ in range(2))
         shards = [cfd.shard(x, causal=causal, layout=layout).requires_grad_() for x in (q, k, v)]
-        out = cfd.ring_attention(*shards, causal=causal, layout=layout)
+        out = getattr(cfd, method)(*shards, causal=causal, layout=layout)
         out.backward(cfd.shard(dout, causal=causal, layout=layout))
         results = [cfd.gather(x, causal=causal, layout=layout) for x in (out.detach(), *(s.grad for s in shards))]
         if rank == 0:
@@ -69,13 +69,19 @@ def ring_and_reference(rank, world, store, seed, causal, layout, dtype_name):
         left(passed)
 
 
-@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
-@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "contiguous"), (True, "zigzag")])
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_attention_equals_attention_on_the_whole_sequence(rng, tmp_path, world, causal, layout, dtype_name):
+RING = [("ring_attention", world, causal, layout, dtype) for world in (2, 4) for dtype in ("float32", "float64")
+        for causal, layout in ((False, "contiguous"), (True, "contiguous"), (True, "zigzag"))]
+ALL_GATHER = [("allgather_attention", 4, True, "zigzag", "float32"),
+              ("allgather_attention", 2, True, "contiguous", "float64"),
+              ("allgather_attention", 2, False, "contiguous", "float32")]
+
+
+@pytest.mark.parametrize("method,world,causal,layout,dtype_name", RING + ALL_GATHER)
+def test_context_parallel_attention_equals_attention_on_the_whole_sequence(rng, tmp_path, method, world, causal,
+                                                                         layout, dtype_name):
     seed = int(rng.integers(2**31))
-    multiprocessing.spawn(ring_and_reference, args=(world, tmp_path / "store", seed, causal, layout, dtype_name),
-                          nprocs=world)
+    multiprocessing.spawn(ring_and_reference,
+                          args=(world, tmp_path / "store", seed, causal, layout, dtype_name, method), nprocs=world)
 
 
 def layouts_and_checks(rank, world, store):

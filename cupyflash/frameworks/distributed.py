@@ -19,7 +19,8 @@ rank r the r-th of world equal parts; "zigzag" (the default with causal=True) sp
 into 2 x world parts and gives rank r parts r and 2 world - 1 - r, so that under a causal mask every
 rank has the same work at every step (ring-flash-attention's and Megatron's load balancing).
 
-`context_parallel()` makes torch's SDPA ring attention for the block, so that a model written
+`allgather_attention` gives the same result from K/V gathered once on every rank, for short
+sequences or few K/V heads. `context_parallel()` makes torch's SDPA ring attention for the block, so that a model written
 with SDPA runs on inputs sharded along the sequence.
 """
 
@@ -32,7 +33,8 @@ import torch.distributed as dist
 
 from cupyflash.frameworks import torch as adapter
 
-__all__ = ["ring_attention", "shard", "gather", "context_parallel", "RingAttention"]
+__all__ = ["ring_attention", "allgather_attention", "shard", "gather", "context_parallel", "RingAttention",
+           "AllGatherAttention"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -56,22 +58,13 @@ def shard(x, group=None, *, causal=False, layout=None):
     """This rank's part of x's sequence (dimension 1) under `layout` (see the module docstring)."""
     layout = _layout(layout, causal)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    chunks = x.chunk(_parts(x.shape[1], world, layout, "x"), dim=1)
-    if layout == "contiguous":
-        return chunks[rank].contiguous()
-    return torch.cat((chunks[rank], chunks[2 * world - 1 - rank]), dim=1)
+    _parts(x.shape[1], world, layout, "x")
+    return _own_rows(x, rank, world, layout).contiguous()
 
 
 def gather(x, group=None, *, causal=False, layout=None):
     """The whole sequence from every rank's part (all_gather), the inverse of `shard`."""
-    layout = _layout(layout, causal)
-    world = dist.get_world_size(group)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    if layout == "contiguous":
-        return torch.cat(parts, dim=1)
-    halves = [p.chunk(2, dim=1) for p in parts]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=1)
+    return _gathered(x, group, _layout(layout, causal), dist.get_world_size(group))
 
 
 class _Ring:
@@ -198,6 +191,13 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, layout=None
     with return_lse), equal to `cupyflash.torch.attention` on the whole sequence sharded alike;
     differentiable. causal is over the whole sequence (seqlen_q = seqlen_k); layout: "zigzag"
     (the default with causal) or "contiguous", as `shard`."""
+    layout = _checked(q, k, v, causal, layout)
+    out, lse = RingAttention.apply(q, k, v, bool(causal), scale, layout, group)
+    return (out, lse) if return_lse else out
+
+
+def _checked(q, k, v, causal, layout) -> str:
+    """The layout, after the shards' checks (what the ranks' exchanges cannot catch)."""
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         raise TypeError("q, k and v must be torch tensors (this rank's shards)")
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
@@ -208,7 +208,87 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, layout=None
         raise ValueError(f"causal ring attention needs equal query and key shards, got {q.shape[1]} and {k.shape[1]}")
     if layout == "zigzag" and causal and q.shape[1] % 2:
         raise ValueError(f"a zigzag shard holds two equal parts: its length must be even, got {q.shape[1]}")
-    out, lse = RingAttention.apply(q, k, v, bool(causal), scale, layout, group)
+    return layout
+
+
+def _key_spans(rank: int, world: int, causal: bool, layout: str, seqlen_q: int, seqlen_k: int) -> list:
+    """(query rows of this rank's shard, keys of the whole gathered sequence, causal) for the
+    all-gather variant: under a causal mask each query part sees the keys up to its own end."""
+    if not causal:
+        return [(slice(0, seqlen_q), slice(0, seqlen_k * world), False)]
+    if layout == "contiguous":
+        return [(slice(0, seqlen_q), slice(0, (rank + 1) * seqlen_k), True)]
+    half_q, half_k = seqlen_q // 2, seqlen_k // 2
+    return [(slice(0, half_q), slice(0, (rank + 1) * half_k), True),
+            (slice(half_q, seqlen_q), slice(0, (2 * world - rank) * half_k), True)]
+
+
+def _gathered(x, group, layout, world):
+    """The whole sequence of every rank's x in order (`gather`'s layout undone)."""
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    if layout == "contiguous":
+        return torch.cat(parts, dim=1)
+    halves = [p.chunk(2, dim=1) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=1)
+
+
+def _own_rows(x, rank, world, layout):
+    """This rank's shard of a whole sequence (`shard`'s layout)."""
+    chunks = x.chunk(world * (2 if layout == "zigzag" else 1), dim=1)
+    if layout == "contiguous":
+        return chunks[rank]
+    return torch.cat((chunks[rank], chunks[2 * world - 1 - rank]), dim=1)
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """`allgather_attention` as an autograd function: the gathered K/V are recomputed in the
+    backward (one more all_gather) rather than kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, layout, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        keys, values = (_gathered(x, group, layout, world) for x in (k, v))
+        out = torch.empty_like(q)
+        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_accumulator_dtype(q), device=q.device)
+        for rows, span, block_causal in _key_spans(rank, world, causal, layout, q.shape[1], k.shape[1]):
+            out[:, rows], lse[:, :, rows] = adapter.attention(q[:, rows], keys[:, span], values[:, span],
+                                                              causal=block_causal, scale=scale, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (causal, scale, layout, group)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, layout, group = ctx.options
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        keys, values = (_gathered(x, group, layout, world) for x in (k, v))
+        accum = _accumulator_dtype(q)
+        dq = torch.zeros(q.shape, dtype=accum, device=q.device)
+        dkv = torch.zeros((2, *keys.shape), dtype=accum, device=q.device)
+        dout = dout.contiguous()
+        for rows, span, block_causal in _key_spans(rank, world, causal, layout, q.shape[1], k.shape[1]):
+            dq_part, dk_part, dv_part = adapter.attention_backward(
+                dout[:, rows], q[:, rows], keys[:, span], values[:, span], out[:, rows], lse[:, :, rows],
+                causal=block_causal, scale=scale)
+            dq[:, rows] += dq_part
+            dkv[0][:, span] += dk_part
+            dkv[1][:, span] += dv_part
+        # every rank's share of every key's gradient, summed; each keeps its own rows
+        dist.all_reduce(dkv, group=group)
+        dk, dv = (_own_rows(g, rank, world, layout) for g in dkv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def allgather_attention(q, k, v, group=None, *, causal=False, scale=None, layout=None, return_lse=False):
+    """`ring_attention`'s result by another route: every rank gathers the whole K/V once
+    (all_gather) and attends its queries to the keys they see; the backward sums the K/V
+    gradients over the ranks (all_reduce). Less latency than the ring for short sequences or
+    small K/V (few KV heads), more memory: the whole K/V on every rank."""
+    layout = _checked(q, k, v, causal, layout)
+    out, lse = AllGatherAttention.apply(q, k, v, bool(causal), scale, layout, group)
     return (out, lse) if return_lse else out
 
 
