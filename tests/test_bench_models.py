@@ -48,3 +48,8 @@ def test_the_loss_curve_learns_and_is_judged_by_the_seed_spread():
     spread = abs(sum(curves["sdpa seed 1"][-5:]) - sum(curves["sdpa seed 0"][-5:])) / 5
     shifted = dict(curves, cupyflash=[x + 2 * spread + 1e-2 for x in curves["cupyflash"]])
     assert not models.curve_verdict(shifted, tail=5)[0]
+
+
+def test_a_forced_backend_that_cannot_take_the_mask_is_a_skip():
+    with pytest.raises(models.Skip, match="takes no attn_mask"):
+        models.run(tiny()[1], "sdpa-flash", steps=1, warmup=0, dtype=torch.float32, device="cpu")

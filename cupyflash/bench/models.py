@@ -61,6 +61,7 @@ class Workload:
     name: str
     tokens: int
     build: object  # build(attn_implementation, dtype, device) -> (model, batch dict, loss(model, batch))
+    masked: bool = False  # whether SDPA receives an attn_mask (a padded batch)
 
 
 def parser() -> arguments.Parser:
@@ -197,7 +198,7 @@ def bert(batch: int = 16, seqlen: int = 512, layers: int = 12, hidden: int = 768
         labels = ids.masked_fill(mask == 0, -100)
         return model.to(device), {"input_ids": ids, "attention_mask": mask, "labels": labels}, _transformers_loss
 
-    return Workload("bert padded", batch * seqlen, build)
+    return Workload("bert padded", batch * seqlen, build, masked=True)
 
 
 def vit(batch: int = 32, name: str = "vit_base_patch16_224", image: int = 224) -> Workload:
@@ -265,6 +266,8 @@ def run(workload: Workload, method: str, steps: int, warmup: int, dtype, device:
     import torch
 
     impl, backend, compile_options = METHODS[method]
+    if backend == "FLASH_ATTENTION" and workload.masked:
+        raise Skip("SDPA's FlashAttention-2 backend takes no attn_mask, which a padded batch needs")
     if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise Skip("flash-attn is not installed")
     if impl == "cupy_attention":
