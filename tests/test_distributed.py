@@ -172,3 +172,25 @@ def model_under_context_parallel(rank, world, store, seed, dtype_name):
 def test_a_model_under_context_parallel(rng, tmp_path, dtype_name):
     multiprocessing.spawn(model_under_context_parallel, args=(2, tmp_path / "store", int(rng.integers(2**31)),
                                                               dtype_name), nprocs=2)
+
+
+def test_a_group_of_one_is_attention_itself(tmp_path):
+    """One rank: its shard is the whole sequence, and the ring (no transfer at all) and the
+    all-gather variant are attention, judged by the rule against float64."""
+    import cupyflash.distributed as cfd
+    from rule import assert_within_rule
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        q, k, v, dout = (torch.randn(1, 12, 2, 8, dtype=torch.float64) for _ in range(4))
+        host = [x.numpy() for x in (dout, q, k, v)]
+        exact = [reference.attention(*host[1:], causal=True), *reference.attention_backward(*host, causal=True)]
+        assert torch.equal(cfd.shard(q, causal=True), q) and torch.equal(cfd.gather(q, causal=True), q)
+        for method in (cfd.ring_attention, cfd.allgather_attention):
+            inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = method(*inputs, causal=True)
+            out.backward(dout)
+            for name, got, want in zip(("out", "dq", "dk", "dv"), (out.detach(), *(x.grad for x in inputs)), exact):
+                assert_within_rule(name, got, want, want, "float64")
+    finally:
+        dist.destroy_process_group()

@@ -46,19 +46,18 @@ def _layout(layout, causal) -> str:
     return layout
 
 
-def _parts(seqlen: int, world: int, layout: str, name: str) -> int:
+def _check_divisible(seqlen: int, world: int, layout: str, name: str) -> None:
     pieces = world * (2 if layout == "zigzag" else 1)
     if seqlen % pieces:
         raise ValueError(f"{name}'s sequence length {seqlen} must divide into {pieces} equal parts ({layout} over "
                          f"{world} ranks)")
-    return pieces
 
 
 def shard(x, group=None, *, causal=False, layout=None):
     """This rank's part of x's sequence (dimension 1) under `layout` (see the module docstring)."""
     layout = _layout(layout, causal)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    _parts(x.shape[1], world, layout, "x")
+    _check_divisible(x.shape[1], world, layout, "x")
     return _own_rows(x, rank, world, layout).contiguous()
 
 
@@ -158,7 +157,8 @@ def _ring_backward(dout, q, k, v, out, lse, causal, scale, layout, ring):
             dq[:, rows] += dq_part
             dkv[0][:, keys] += dk_part
             dkv[1][:, keys] += dv_part
-        dkv = ring.shift(dkv)()  # the shard's accumulators travel with it; the last hop reaches its owner
+        if ring.world > 1:  # the shard's accumulators travel with it; the last hop reaches its owner
+            dkv = ring.shift(dkv)()
         if arriving is not None:
             kv = arriving()
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
