@@ -3,8 +3,7 @@
 cupyflash/frameworks/distributed.py. Importing this module imports torch."""
 
 from cupyflash.frameworks.distributed import (  # noqa: F401
-    AllGatherAttention, RingAttention, allgather_attention, context_parallel, gather, ring_attention, shard,
+    ShardedAttention, allgather_attention, context_parallel, gather, ring_attention, shard,
 )
 
-__all__ = ["ring_attention", "allgather_attention", "shard", "gather", "context_parallel", "RingAttention",
-           "AllGatherAttention"]
+__all__ = ["ring_attention", "allgather_attention", "shard", "gather", "context_parallel", "ShardedAttention"]

@@ -402,7 +402,7 @@ def main(args) -> int:
                 rows.append({"model": workload.name, "method": method,
                              "note": f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}"})
             finally:
-                torch._dynamo.reset()
+                torch.compiler.reset()
                 torch.cuda.empty_cache()
             print(f"# {rows[-1]}", flush=True)
     failures = loss_verdicts(rows) + [f"{r['model']} {r['method']}: {r['note']}" for r in rows

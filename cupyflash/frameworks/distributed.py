@@ -33,8 +33,7 @@ import torch.distributed as dist
 
 from cupyflash.frameworks import torch as adapter
 
-__all__ = ["ring_attention", "allgather_attention", "shard", "gather", "context_parallel", "RingAttention",
-           "AllGatherAttention"]
+__all__ = ["ring_attention", "allgather_attention", "shard", "gather", "context_parallel", "ShardedAttention"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -123,7 +122,8 @@ def _merge(out, lse, part, part_lse, rows):
     lse[:, :, rows] = new_lse
 
 
-def _ring_forward(q, k, v, causal, scale, layout, ring):
+def _ring_forward(q, k, v, causal, scale, layout, group):
+    ring = _Ring(group)
     batch, seqlen_q, heads, _ = q.shape
     accum = _accumulator_dtype(q)
     out = torch.zeros(q.shape, dtype=accum, device=q.device)
@@ -141,7 +141,8 @@ def _ring_forward(q, k, v, causal, scale, layout, ring):
     return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
-def _ring_backward(dout, q, k, v, out, lse, causal, scale, layout, ring):
+def _ring_backward(dout, q, k, v, out, lse, causal, scale, layout, group):
+    ring = _Ring(group)
     seqlen_q = q.shape[1]
     accum = _accumulator_dtype(q)
     dq = torch.zeros(q.shape, dtype=accum, device=q.device)
@@ -164,26 +165,6 @@ def _ring_backward(dout, q, k, v, out, lse, causal, scale, layout, ring):
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-class RingAttention(torch.autograd.Function):
-    """`ring_attention` as an autograd function: saves this rank's q, k, v, out and lse."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, group):
-        ring = _Ring(group)
-        out, lse = _ring_forward(q, k, v, causal, scale, layout, ring)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = (causal, scale, layout, ring)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, layout, ring = ctx.options
-        return (*_ring_backward(dout.contiguous(), q, k, v, out, lse, causal, scale, layout, ring),
-                None, None, None, None)
-
-
 def ring_attention(q, k, v, group=None, *, causal=False, scale=None, layout=None, return_lse=False):
     """Attention over a sequence sharded across `group`'s ranks (default: the whole world): q, k,
     v this rank's (batch, seq, heads, head_dim) shards as `shard` gives them, k and v with fewer
@@ -192,7 +173,7 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, layout=None
     differentiable. causal is over the whole sequence (seqlen_q = seqlen_k); layout: "zigzag"
     (the default with causal) or "contiguous", as `shard`."""
     layout = _checked(q, k, v, causal, layout)
-    out, lse = RingAttention.apply(q, k, v, bool(causal), scale, layout, group)
+    out, lse = ShardedAttention.apply(q, k, v, bool(causal), scale, layout, group, "ring")
     return (out, lse) if return_lse else out
 
 
@@ -241,45 +222,58 @@ def _own_rows(x, rank, world, layout):
     return torch.cat((chunks[rank], chunks[2 * world - 1 - rank]), dim=1)
 
 
-class AllGatherAttention(torch.autograd.Function):
-    """`allgather_attention` as an autograd function: the gathered K/V are recomputed in the
-    backward (one more all_gather) rather than kept."""
+def _allgather_forward(q, k, v, causal, scale, layout, group):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    keys, values = (_gathered(x, group, layout, world) for x in (k, v))
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_accumulator_dtype(q), device=q.device)
+    for rows, span, block_causal in _key_spans(rank, world, causal, layout, q.shape[1], k.shape[1]):
+        out[:, rows], lse[:, :, rows] = adapter.attention(q[:, rows], keys[:, span], values[:, span],
+                                                          causal=block_causal, scale=scale, return_lse=True)
+    return out, lse
+
+
+def _allgather_backward(dout, q, k, v, out, lse, causal, scale, layout, group):
+    """The gathered K/V are gathered again rather than kept from the forward."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    keys, values = (_gathered(x, group, layout, world) for x in (k, v))
+    accum = _accumulator_dtype(q)
+    dq = torch.zeros(q.shape, dtype=accum, device=q.device)
+    dkv = torch.zeros((2, *keys.shape), dtype=accum, device=q.device)
+    for rows, span, block_causal in _key_spans(rank, world, causal, layout, q.shape[1], k.shape[1]):
+        dq_part, dk_part, dv_part = adapter.attention_backward(
+            dout[:, rows], q[:, rows], keys[:, span], values[:, span], out[:, rows], lse[:, :, rows],
+            causal=block_causal, scale=scale)
+        dq[:, rows] += dq_part
+        dkv[0][:, span] += dk_part
+        dkv[1][:, span] += dv_part
+    # every rank's share of every key's gradient, summed; each keeps its own rows
+    dist.all_reduce(dkv, group=group)
+    dk, dv = (_own_rows(g, rank, world, layout) for g in dkv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# method -> (forward(q, k, v, causal, scale, layout, group) -> (out, lse), backward(dout, q, k, v, out, lse, ...))
+METHODS = {"ring": (_ring_forward, _ring_backward), "allgather": (_allgather_forward, _allgather_backward)}
+
+
+class ShardedAttention(torch.autograd.Function):
+    """`ring_attention` and `allgather_attention` as an autograd function: saves this rank's q, k,
+    v, out and lse; `method` names the pair of passes (METHODS)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, group):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        keys, values = (_gathered(x, group, layout, world) for x in (k, v))
-        out = torch.empty_like(q)
-        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_accumulator_dtype(q), device=q.device)
-        for rows, span, block_causal in _key_spans(rank, world, causal, layout, q.shape[1], k.shape[1]):
-            out[:, rows], lse[:, :, rows] = adapter.attention(q[:, rows], keys[:, span], values[:, span],
-                                                              causal=block_causal, scale=scale, return_lse=True)
+    def forward(ctx, q, k, v, causal, scale, layout, group, method):
+        out, lse = METHODS[method][0](q, k, v, causal, scale, layout, group)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = (causal, scale, layout, group)
+        ctx.options = (causal, scale, layout, group, method)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, layout, group = ctx.options
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        keys, values = (_gathered(x, group, layout, world) for x in (k, v))
-        accum = _accumulator_dtype(q)
-        dq = torch.zeros(q.shape, dtype=accum, device=q.device)
-        dkv = torch.zeros((2, *keys.shape), dtype=accum, device=q.device)
-        dout = dout.contiguous()
-        for rows, span, block_causal in _key_spans(rank, world, causal, layout, q.shape[1], k.shape[1]):
-            dq_part, dk_part, dv_part = adapter.attention_backward(
-                dout[:, rows], q[:, rows], keys[:, span], values[:, span], out[:, rows], lse[:, :, rows],
-                causal=block_causal, scale=scale)
-            dq[:, rows] += dq_part
-            dkv[0][:, span] += dk_part
-            dkv[1][:, span] += dv_part
-        # every rank's share of every key's gradient, summed; each keeps its own rows
-        dist.all_reduce(dkv, group=group)
-        dk, dv = (_own_rows(g, rank, world, layout) for g in dkv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        causal, scale, layout, group, method = ctx.options
+        grads = METHODS[method][1](dout.contiguous(), *ctx.saved_tensors, causal, scale, layout, group)
+        return (*grads, None, None, None, None, None)
 
 
 def allgather_attention(q, k, v, group=None, *, causal=False, scale=None, layout=None, return_lse=False):
@@ -288,7 +282,7 @@ def allgather_attention(q, k, v, group=None, *, causal=False, scale=None, layout
     gradients over the ranks (all_reduce). Less latency than the ring for short sequences or
     small K/V (few KV heads), more memory: the whole K/V on every rank."""
     layout = _checked(q, k, v, causal, layout)
-    out, lse = AllGatherAttention.apply(q, k, v, bool(causal), scale, layout, group)
+    out, lse = ShardedAttention.apply(q, k, v, bool(causal), scale, layout, group, "allgather")
     return (out, lse) if return_lse else out
 
 
