@@ -6,7 +6,7 @@ import pytest
 
 import cupyflash
 from cupyflash import validation, reference
-from cupyflash.dispatch import plan
+from cupyflash.runtime import launch
 from rule import Judge, assert_within_rule, host
 from shapes import AWKWARD_SHAPES, DTYPES, HEAD_DIMS, bits, numpy_dtype, random_qkv
 
@@ -207,23 +207,32 @@ def test_torch_adapter_gradients(rng, dtype, causal, deterministic, nan_torch_ou
         assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
 
 
+def launched_pointers(monkeypatch) -> list:
+    """The q, k, v (and dq) addresses in the parameters of each plan that launch.run queues, in
+    order: what the kernels read and write, whatever path planned them."""
+    seen = []
+    real = launch.run
+
+    def spy(made, stream=None):
+        params = made.launches[-1].args[0]
+        seen.append({name: int(params[name][0]) for name in ("q", "k", "v", "dq") if name in params.dtype.names})
+        return real(made, stream)
+
+    monkeypatch.setattr(launch, "run", spy)
+    return seen
+
+
 def test_torch_adapter_out_sum_backward_and_zero_copy(rng, monkeypatch):
     torch = pytest.importorskip("torch")
     import cupyflash.torch
 
-    seen = {}
-    real = plan.plan_backward
-
-    def spy(p, dout, q, k, v, out, lse, dq, dk, dv, **kwargs):
-        seen.update(q=q.data.ptr, dq=dq.data.ptr)
-        return real(p, dout, q, k, v, out, lse, dq, dk, dv, **kwargs)
-
-    monkeypatch.setattr(plan, "plan_backward", spy)
+    seen = launched_pointers(monkeypatch)
     q, k, v = (torch.randn(1, 64, 2, 32, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
     out = cupyflash.torch.attention(q, k, v, causal=True)
     # out.sum()'s gradient reaches the backward as an expanded tensor with stride 0.
     grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-    assert seen["q"] == q.data_ptr() and seen["dq"] == grads[0].data_ptr()  # no copies either way
+    forward, backward = seen
+    assert forward["q"] == backward["q"] == q.data_ptr() and backward["dq"] == grads[0].data_ptr()  # no copies
     assert_gradients_match_reference(torch.ones_like(out), q, k, v, grads, "float16", True)
 
 
@@ -233,19 +242,7 @@ def test_torch_adapter_reads_strided_views_in_place(rng, monkeypatch):
     torch = pytest.importorskip("torch")
     import cupyflash.torch
 
-    seen = {}
-    forward, backward = plan.plan_forward, plan.plan_backward
-
-    def spy_forward(p, q, k, v, out, lse, **kwargs):
-        seen.update(forward=(q.data.ptr, k.data.ptr, v.data.ptr))
-        return forward(p, q, k, v, out, lse, **kwargs)
-
-    def spy_backward(p, dout, q, k, v, out, lse, dq, dk, dv, **kwargs):
-        seen.update(backward=(q.data.ptr, k.data.ptr, v.data.ptr))
-        return backward(p, dout, q, k, v, out, lse, dq, dk, dv, **kwargs)
-
-    monkeypatch.setattr(plan, "plan_forward", spy_forward)
-    monkeypatch.setattr(plan, "plan_backward", spy_backward)
+    seen = launched_pointers(monkeypatch)
     q0, kv0, dout = (torch.from_numpy(rng.standard_normal(s)).cuda().to(torch.bfloat16)
                      for s in ((2, 3, 150, 64), (2, 190, 2, 3, 64), (2, 150, 3, 64)))
 
@@ -257,7 +254,7 @@ def test_torch_adapter_reads_strided_views_in_place(rng, monkeypatch):
         return (q, k, v), [g.double() for g in grads]
 
     (q, k, v), ours = grads_of(lambda q, k, v: cupyflash.torch.attention(q, k, v, causal=True), torch.bfloat16)
-    assert seen["forward"] == seen["backward"] == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    assert [tuple(x[name] for name in "qkv") for x in seen] == [(q.data_ptr(), k.data_ptr(), v.data_ptr())] * 2
     exact = grads_of(lambda q, k, v: _torch_standard_attention(q, k, v, True), torch.float64)[1]
     lowp = grads_of(lambda q, k, v: _torch_standard_attention(q, k, v, True), torch.bfloat16)[1]
     for name, g, e, b in zip(("dq", "dkv"), ours, exact, lowp):

@@ -71,6 +71,7 @@ def device(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Device", lambda device_id: contextlib.nullcontext())
     stream = types.SimpleNamespace(ptr=7, is_capturing=lambda: state.capturing)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: stream)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(devices, "info", lambda device_id: devices.described(90))
     monkeypatch.setattr(tma, "bwd_tensor_maps", lambda *args, **kwargs: numpy.ones(3 * tma.TENSOR_MAP_BYTES, numpy.uint8))
     monkeypatch.setattr(tma, "kv_tensor_maps", lambda *args, **kwargs: numpy.ones(2 * tma.TENSOR_MAP_BYTES, numpy.uint8))
@@ -129,12 +130,12 @@ def test_warp_specialised_launch_takes_its_arguments(rng, device, density, ring)
     expected = None if ring else p.block_mask.dkdv_item_order(1, 2, 1, 1, 1, 0)
     assert order == (0 if expected is None else expected.data.ptr)
     assert (positions, items, grid) == (32, 64, (64, 1, 1))
-    assert counters == workspace.ZEROED[("counters", 0, 7)].data.ptr
+    assert counters == workspace.ZEROED[("counters", 0, 7)].ptr
     preprocess = device.launches[0][3]
     if ring:
         assert steps(device) == ["preprocess", "dK/dV"] and slots == 2  # every slab its own slot
         assert field(preprocess, "dq_accum") == 0
-        assert field(params, "dq_accum") == workspace.ZEROED[("dq ring", 0, 7)].data.ptr
+        assert field(params, "dq_accum") == workspace.ZEROED[("dq ring", 0, 7)].ptr
     else:
         assert steps(device) == ["preprocess", "dK/dV", "convert_dq"] and slots == 0
         assert field(preprocess, "dq_accum") == field(params, "dq_accum") != 0

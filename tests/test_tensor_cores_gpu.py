@@ -35,9 +35,9 @@ def launched(monkeypatch):
     kernels = []
     real = launch.launch
 
-    def recording(kernel, device_id, grid, params, *more):
+    def recording(kernel, device_id, grid, params, *more, **stream):
         kernels.append(kernel)
-        return real(kernel, device_id, grid, params, *more)
+        return real(kernel, device_id, grid, params, *more, **stream)
 
     monkeypatch.setattr(launch, "launch", recording)
     return kernels

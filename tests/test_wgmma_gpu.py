@@ -58,10 +58,10 @@ def hopper(request, monkeypatch, policy):
     policy(hopper_forward=True, hopper_backward=launched.backward)
     real = launch.launch
 
-    def recording(kernel, device_id, grid, params, *more):
+    def recording(kernel, device_id, grid, params, *more, **stream):
         if "Fwd" in type(kernel).__name__ or isinstance(kernel, TcBwdDkdvKernel):
             launched.append(kernel)
-        return real(kernel, device_id, grid, params, *more)
+        return real(kernel, device_id, grid, params, *more, **stream)
 
     monkeypatch.setattr(launch, "launch", recording)
     return launched
@@ -348,7 +348,7 @@ def test_warp_specialised_forward(rng, policy, monkeypatch, nan_outputs, hopper,
     ws = hopper[-1]
     assert isinstance(ws, WgmmaFwdWsKernel) and ws.block_sparse == block_sparse
     assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
-    assert workspace.ZEROED and not any(c.any() for c in workspace.ZEROED.values())
+    assert workspace.ZEROED and not any(c.owner.any() for c in workspace.ZEROED.values())
 
     twin = WgmmaFwdKernel(dtype, ws.head_dim, False, block_sparse=block_sparse, tma=True,
                                tile_override=tiles.TcTileShape(128, 128, num_warps=8, min_blocks_per_sm=1))
@@ -381,7 +381,7 @@ def test_warp_specialised_forward_claims_the_longest_rows_first(rng, monkeypatch
     out, lse = cupy.full(q.shape, numpy.nan, q.dtype), cupy.full((2, 3, 1000), numpy.nan, numpy.float32)
     run_forward(p, q, k, v, out, lse, kernel=kernel)
     assert_matches_reference(q, k, v, out, lse, dtype, False, block_mask=mask)
-    assert not any(c.any() for c in workspace.ZEROED.values())
+    assert not any(c.owner.any() for c in workspace.ZEROED.values())
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)
@@ -574,8 +574,8 @@ def test_warp_specialised_dkdv_kernel(rng, policy, monkeypatch, nan_outputs, hop
     steps, launched = [], []
     recording = launch.launch
     monkeypatch.setattr(launch, "launch",
-                        lambda kernel, *args: (steps.append(getattr(kernel, "step", "dK/dV")), launched.append(args),
-                                               recording(kernel, *args))[2])
+                        lambda kernel, *args, **stream: (steps.append(getattr(kernel, "step", "dK/dV")),
+                                                         launched.append(args), recording(kernel, *args, **stream))[2])
     grads = backward()
     ws = hopper[-1]
     assert ws.ws and ws.block_sparse == block_sparse and ws.local == (causal or window is not None)
@@ -591,8 +591,8 @@ def test_warp_specialised_dkdv_kernel(rng, policy, monkeypatch, nan_outputs, hop
     rings = [x for key, x in workspace.ZEROED.items() if key[0] == "dq ring"]
     if rounds_dq:  # the stream's kept ring, not a fresh one
         ring_of_stream = workspace.ZEROED[("dq ring", q.device.id, cupy.cuda.get_current_stream().ptr)]
-        assert int(dkdv[2]["dq_accum"][0]) == ring_of_stream.data.ptr
-    assert not any(x.any() for x in rings), "the stream's kept ring is left zero for the next launch"
+        assert int(dkdv[2]["dq_accum"][0]) == ring_of_stream.ptr
+    assert not any(x.owner.any() for x in rings), "the stream's kept ring is left zero for the next launch"
     assert_gradients_match_reference(dout, q, k, v, grads, dtype, causal, block_mask=mask, window=window)
     policy(ws_backward=False)
     steps.clear()
@@ -636,7 +636,8 @@ def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, policy, mon
     launched = []
     recording = launch.launch
     monkeypatch.setattr(launch, "launch",
-                        lambda kernel, *args: (launched.append((kernel, args)), recording(kernel, *args))[1])
+                        lambda kernel, *args, **stream: (launched.append((kernel, args)),
+                                                         recording(kernel, *args, **stream))[1])
     grads = cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
     ws = hopper[-1]
     assert ws.ws and ws.block_sparse
@@ -699,7 +700,7 @@ def test_warp_specialised_dkdv_kernel_captured_in_a_graph(rng, policy, monkeypat
             assert_gradients_match_reference(dout, q, k, v, grads, dtype, False, block_mask=mask)
             for got, expected in zip(grads[1:], want[1:]):
                 numpy.testing.assert_array_equal(bits(got.get()), bits(expected))
-    assert not any(x.any() for x in workspace.ZEROED.values())
+    assert not any(x.owner.any() for x in workspace.ZEROED.values())
 
 
 @pytest.mark.parametrize("dtype", TC_DTYPES)

@@ -3,7 +3,7 @@ their block-sparse forms."""
 
 from __future__ import annotations
 
-from cupyflash.api import common
+from cupyflash.api import common, prepared
 from cupyflash.problem import Options
 
 
@@ -129,7 +129,7 @@ def attention(
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
-    return common.forward_call(
+    return prepared.forward_call(
         {"q": q, "k": k, "v": v},
         Options(causal=causal, scale=scale, return_lse=return_lse, window=window, softcap=softcap,
                 alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, offset=offset))
@@ -236,7 +236,7 @@ def attention_backward(
     >>> dq.shape, dk.dtype
     ((1, 5, 2, 16), dtype('float32'))
     """
-    return common.backward_call(
+    return prepared.backward_call(
         {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse},
         Options(causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap,
                 alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, offset=offset))

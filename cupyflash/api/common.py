@@ -185,9 +185,10 @@ def forward_gpu(q, k, v, p: AttentionProblem, out=None, lse=None):
             out, lse = empty(out_shape, q.dtype), empty(lse_shape, lse_dtype(p.dtype_name))
         if out.size == 0:
             return out, lse
+        stream = workspace.cupy_stream()
         if not p.return_lse:
-            workspace.keep_if_captured(lse)  # (a graph's replays write it)
-        launch.run(planner.plan_forward(p, q, k, v, out, lse))
+            workspace.keep_if_captured(stream, lse)  # (a graph's replays write it)
+        launch.run(planner.plan_forward(p, q, k, v, out, lse, stream=stream), stream.ptr)
     return out, lse
 
 

@@ -82,11 +82,11 @@ def _shape(kernel, batch: int, heads_kv: int, rows: int, cache_len: int, num_spl
 
 
 def plan_decode(d: DecodeProblem, q, k, v, k_new, v_new, lengths, out, lse, policy: policies.Policy | None = None,
-                kernel=None) -> Plan:
-    """The launches of a decoding step on these (validated) arrays; `kernel` overrides the decode
-    kernel (for tests and tuning)."""
-    import cupy
-
+                kernel=None, stream: workspace.Stream | None = None) -> Plan:
+    """The launches of a decoding step on these (validated) arrays, its workspaces allocated on
+    `stream` (default: CuPy's current stream); `kernel` overrides the decode kernel (for tests and
+    tuning)."""
+    stream = stream or workspace.cupy_stream()
     policy = policy or policies.current()
     p = d.attention
     device_id = q.device.id
@@ -106,13 +106,12 @@ def plan_decode(d: DecodeProblem, q, k, v, k_new, v_new, lengths, out, lse, poli
     if splits > 1 and out.size:
         # o_partial [splits, batch, heads, seqlen_q, padded head_dim], then lse_partial: one allocation
         partial_rows = splits * p.batch * p.heads * p.seqlen_q
-        partial = cupy.empty(partial_rows * (kernel.head_dim + 1), lse_dtype(p.dtype_name))
-        fields["o_partial"] = partial.data.ptr
-        fields["lse_partial"] = partial.data.ptr + partial_rows * kernel.head_dim * partial.itemsize
+        accum = lse_dtype(p.dtype_name)
+        partial, fields["o_partial"] = stream.empty(partial_rows * (kernel.head_dim + 1), accum)
+        fields["lse_partial"] = fields["o_partial"] + partial_rows * kernel.head_dim * accum.itemsize
         # Counters of the splits done per row group (decode_combine_splits), left zeroed.
-        counters = workspace.zeroed_counters(device_id, p.batch * heads_kv * row_blocks)
-        fields["split_counters"] = counters.data.ptr
-        workspace.keep_if_captured(partial)
+        fields["split_counters"] = workspace.zeroed_counters(p.batch * heads_kv * row_blocks, stream)
+        workspace.keep_if_captured(stream, partial)
         keep_alive.append(partial)
     left, right = p.band
     fields.update(

@@ -198,62 +198,114 @@ def _ws_forward_verdict(p: AttentionProblem, d: int, policy: policies.Policy) ->
     return None
 
 
-def plan_forward(p: AttentionProblem, q, k, v, out, lse, policy: policies.Policy | None = None, kernel=None) -> Plan:
+def plan_forward(p: AttentionProblem, q, k, v, out, lse, policy: policies.Policy | None = None, kernel=None,
+                 stream: workspace.Stream | None = None) -> Plan:
     """The forward's launch on these (validated) arrays: the decision's first kernel whose tensor maps
-    the driver makes; or `kernel` (any forward instantiation, for tests and tuning)."""
-    policy = policy or policies.current()
+    the driver makes; or `kernel` (any forward instantiation, for tests and tuning). On `stream`
+    (default: CuPy's current stream)."""
+    bind = prepare_forward(p, q, k, v, out, lse, policy or policies.current(), kernel)
+    pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr}
+    return bind(pointers, stream or workspace.cupy_stream())
+
+
+def _memoisable(p: AttentionProblem) -> bool:
+    """Whether a problem's launches can be prepared once: not with ALiBi slopes or sequence lengths,
+    device arrays that each call makes."""
+    return p.alibi_slopes is None and p.cu_seqlens is None and p.seqlens_k is None
+
+
+def prepare_forward(p: AttentionProblem, q, k, v, out, lse, policy: policies.Policy, kernel=None):
+    """The forward of arrays laid out as these (strides, 16-byte alignment) made ready: a function
+    bind(pointers, stream) -> Plan of the call's addresses (q, k, v, o, lse) and stream, which only
+    writes the addresses into the parameter struct and picks the tensor maps made for them. Everything
+    else (the decision, the struct's other fields, grids, static arguments) is decided here once and
+    kept in the problem's memo."""
     device_id = q.device.id
-    info = devices.info(device_id)
     lay = layout(q=q, k=k, v=v, o=out)
-    key = ("forward decision", device_id, policy, lay)
-    decision = p.memo.get(key)
-    if decision is None:
-        decision = p.memo[key] = decide_forward(p, info, policy, lay)
-    pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr,
-                "query_tile_order": 0}
+    key = ("forward", device_id, policy, lay, lse.strides, kernel)
+    bind = p.memo.get(key)
+    if bind is None:
+        bind = _prepare_forward(p, device_id, policy, lay, (q, k, v, out, lse), kernel)
+        if _memoisable(p):
+            p.memo[key] = bind
+    return bind
 
-    def static_fields():
-        fields = {}
-        fields["lse_batch_stride"], fields["lse_head_stride"] = params.row_statistics_strides(p)
-        for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
-            params.pointer_and_strides(fields, name, x)
-        return fields, params.problem_fields(fields, p, device_id)
 
+def _prepare_forward(p: AttentionProblem, device_id: int, policy: policies.Policy, lay: tuple, arrays: tuple, kernel):
+    info = devices.info(device_id)
+    decision = decide_forward(p, info, policy, lay)
+    q, k, v, out, lse = arrays
+    fields = {}
+    fields["lse_batch_stride"], fields["lse_head_stride"] = params.row_statistics_strides(p)
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
+        params.pointer_and_strides(fields, name, x)
+    fields["lse"] = lse.data.ptr
     # keep_alive: the ALiBi slopes and sequence lengths the struct points to, until the launch is queued
-    record, keep_alive = params.launch_record(
-        p, ("forward", device_id, q.strides, k.strides, v.strides, out.strides), structs.FWD_PARAMS_DTYPE, pointers,
-        static_fields)
+    keep_alive = params.problem_fields(fields, p, device_id)
+    record = params.LaunchRecord(structs.FWD_PARAMS_DTYPE, {**fields, "query_tile_order": 0},
+                                 ("q", "k", "v", "o", "lse", "query_tile_order"))
     kv_dims = (p.batch, p.seqlen_k, p.heads // p.kv_group)
+    binders = []
     for candidate in ((kernel,) if kernel is not None else decision.kernels):
         if isinstance(candidate, WgmmaFwdWsKernel):
-            tile = candidate.tile
-            maps = record.tensor_maps(
-                ("ws", tile.block_m, tile.block_n, candidate.o_box_rows, *(pointers[name] for name in "qkvo")),
-                lambda fields: tma.fwd_ws_tensor_maps(fields, (p.batch, p.seqlen_q, p.heads), kv_dims, p.dtype_name,
-                                                      p.head_dim, tile.block_m, tile.block_n, candidate.o_box_rows),
-                pointers)
-            if maps is None:
-                continue
-            order = _query_tile_order(p, candidate, device_id)
-            n_tiles = numpy.array(candidate.n_tiles(p.batch, p.heads, p.seqlen_q), numpy.int32)
-            claims = numpy.array(workspace.zeroed_counters(device_id, 1).data.ptr, numpy.uint64)
-            grid = candidate.grid(p.batch, p.heads, p.seqlen_q, sm_count=info.sm_count)
-            args = (record.params({**pointers, "query_tile_order": order}), maps, n_tiles, claims)
-            return Plan(decision, device_id, [Launch(candidate, grid, args)], (keep_alive,))
-        args = (record.params(pointers),)
-        if candidate.family == "sm90":  # the Hopper one-block kernel takes K's and V's maps (KvTensorMaps)
-            maps = tma.NO_MAPS
-            if candidate.tma:
-                block_n = candidate.tile.block_n
-                maps = record.tensor_maps(
-                    ("kv", block_n, pointers["k"], pointers["v"]),
-                    lambda fields: tma.kv_tensor_maps(fields, kv_dims, p.dtype_name, p.head_dim, block_n), pointers)
-                if maps is None:
-                    continue
-            args += (maps,)
-        return Plan(decision, device_id, [Launch(candidate, candidate.grid(p.batch, p.heads, p.seqlen_q), args)],
-                    (keep_alive,))
-    raise ValueError(f"no tensor map could be made for {kernel}")  # (only a forced TMA kernel gets here)
+            binders.append(_ws_forward_binder(p, candidate, record, kv_dims, device_id, info))
+        elif candidate.family == "sm90" and candidate.tma:  # the Hopper one-block kernel takes K's and V's maps
+            binders.append(_kv_maps_forward_binder(p, candidate, record, kv_dims))
+        else:
+            extra = (tma.NO_MAPS,) if candidate.family == "sm90" else ()
+            grid = candidate.grid(p.batch, p.heads, p.seqlen_q)
+            binders.append(lambda pointers, stream, c=candidate, g=grid, e=extra: (
+                Launch(c, g, (record.params({**pointers, "query_tile_order": 0}), *e)),))
+
+    def bind(pointers: dict, stream: workspace.Stream) -> Plan:
+        for binder in binders:
+            launches = binder(pointers, stream)
+            if launches is not None:
+                return Plan(decision, device_id, list(launches), (keep_alive,))
+        raise ValueError(f"no tensor map could be made for {kernel}")  # (only a forced TMA kernel gets here)
+
+    return bind
+
+
+def _ws_forward_binder(p: AttentionProblem, kernel, record, kv_dims: tuple, device_id: int, info):
+    """The warp-specialised forward's launch for a call's pointers (None where the driver declines
+    its tensor maps)."""
+    tile = kernel.tile
+    order = _query_tile_order(p, kernel, device_id)
+    n_tiles = numpy.array(kernel.n_tiles(p.batch, p.heads, p.seqlen_q), numpy.int32)
+    grid = kernel.grid(p.batch, p.heads, p.seqlen_q, sm_count=info.sm_count)
+
+    def make(fields):
+        return tma.fwd_ws_tensor_maps(fields, (p.batch, p.seqlen_q, p.heads), kv_dims, p.dtype_name, p.head_dim,
+                                      tile.block_m, tile.block_n, kernel.o_box_rows)
+
+    def bind(pointers: dict, stream: workspace.Stream):
+        maps = record.tensor_maps(("ws", tile.block_m, tile.block_n, kernel.o_box_rows,
+                                   pointers["q"], pointers["k"], pointers["v"], pointers["o"]), make, pointers)
+        if maps is None:
+            return None
+        claims = numpy.array(workspace.zeroed_counters(1, stream), numpy.uint64)
+        return (Launch(kernel, grid, (record.params({**pointers, "query_tile_order": order}), maps, n_tiles, claims)),)
+
+    return bind
+
+
+def _kv_maps_forward_binder(p: AttentionProblem, kernel, record, kv_dims: tuple):
+    """The Hopper one-block forward's launch with K's and V's tensor maps (KvTensorMaps) for a
+    call's pointers (None where the driver declines them)."""
+    block_n = kernel.tile.block_n
+    grid = kernel.grid(p.batch, p.heads, p.seqlen_q)
+
+    def make(fields):
+        return tma.kv_tensor_maps(fields, kv_dims, p.dtype_name, p.head_dim, block_n)
+
+    def bind(pointers: dict, stream: workspace.Stream):
+        maps = record.tensor_maps(("kv", block_n, pointers["k"], pointers["v"]), make, pointers)
+        if maps is None:
+            return None
+        return (Launch(kernel, grid, (record.params({**pointers, "query_tile_order": 0}), maps)),)
+
+    return bind
 
 
 def _query_tile_order(p: AttentionProblem, kernel, device_id: int) -> int:
@@ -342,66 +394,66 @@ def ring_slots(p: AttentionProblem, kernel, policy: policies.Policy, positions: 
 
 
 def plan_backward(p: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, policy: policies.Policy | None = None,
-                  kernel=None) -> Plan:
+                  kernel=None, stream: workspace.Stream | None = None) -> Plan:
     """The backward's launches on these (validated) arrays: the row preprocess, the decision's first
     dK/dV kernel whose tensor maps the driver makes (or `kernel`, for tests and tuning), and the dQ
     kernel or conversion; its workspaces (the row statistics, the float dQ workspace or ring, the
-    counters) allocated."""
-    import cupy
-
-    policy = policy or policies.current()
-    device_id = q.device.id
+    counters) allocated on `stream` (default: CuPy's current stream)."""
     if p.batch == 0 or p.heads == 0:  # nothing to launch over
-        return Plan(None, device_id, [], ())
-    info = devices.info(device_id)
+        return Plan(None, q.device.id, [], ())
+    bind = prepare_backward(p, dout, q, k, v, out, lse, dq, dk, dv, policy or policies.current(), kernel)
+    named = zip(BACKWARD_POINTERS, (q, k, v, out, dout, dq, dk, dv, lse))
+    return bind({name: x.data.ptr for name, x in named}, stream or workspace.cupy_stream())
+
+
+BACKWARD_POINTERS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse")  # the call's arrays, as bind takes them
+
+
+def prepare_backward(p: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, policy: policies.Policy, kernel=None):
+    """The backward of arrays laid out as these made ready, as `prepare_forward` makes the forward:
+    bind(pointers, stream) -> Plan allocates the workspaces on the stream, writes the addresses and
+    picks the tensor maps; the rest is decided once and kept in the problem's memo."""
+    device_id = q.device.id
     lay = layout(q=q, dout=dout, k=k, v=v)
-    key = ("backward decision", device_id, policy, lay)
-    decision = p.memo.get(key)
-    if decision is None:
-        decision = p.memo[key] = decide_backward(p, info, policy, lay)
+    arrays = (q, k, v, out, dout, dq, dk, dv, lse)
+    key = ("backward", device_id, policy, lay, kernel, *(x.strides for x in arrays))
+    bind = p.memo.get(key)
+    if bind is None:
+        bind = _prepare_backward(p, device_id, policy, lay, arrays, kernel)
+        if _memoisable(p):
+            p.memo[key] = bind
+    return bind
+
+
+def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Policy, lay: tuple, arrays: tuple,
+                      kernel):
+    info = devices.info(device_id)
+    decision = decide_backward(p, info, policy, lay)
     accum = lse_dtype(p.dtype_name)  # the kernels' accumulator type
     kv_heads = p.heads // p.kv_group
-    lse_log2 = cupy.empty(p.heads * p.total_q, accum)  # row statistics, as row_statistics_strides
-    d = cupy.empty(p.heads * p.total_q, accum)
-    named = (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv))
-    pointers = {"lse": lse.data.ptr, "lse_log2": lse_log2.data.ptr, "d": d.data.ptr, "dq_accum": 0}
-    pointers.update((name, x.data.ptr) for name, x in named)
-
-    def static_fields():
-        fields = {"scale": p.scale}
-        for name, x in named:
-            params.pointer_and_strides(fields, name, x)
-        lse_strides = [stride // lse.dtype.itemsize for stride in lse.strides]
-        if p.cu_seqlens is not None:  # (heads, total_q): a sequence's first row stands for its batch index
-            lse_strides = [lse_strides[1], lse_strides[0], lse_strides[1]]
-        for name, stride in zip(("batch", "head", "row"), lse_strides):
-            fields[f"lse_{name}_stride"] = stride
-        fields["stats_batch_stride"], fields["stats_head_stride"] = params.row_statistics_strides(p)
-        rows_per_batch = 1 if p.cu_seqlens is not None else p.seqlen_q
-        fields["dq_accum_batch_stride"] = rows_per_batch * p.heads * p.head_dim
-        return fields, params.problem_fields(fields, p, device_id)
-
+    lse = arrays[-1]
+    fields = {"scale": p.scale}
+    for name, x in zip(BACKWARD_POINTERS[:-1], arrays[:-1]):
+        params.pointer_and_strides(fields, name, x)
+    lse_strides = [stride // lse.dtype.itemsize for stride in lse.strides]
+    if p.cu_seqlens is not None:  # (heads, total_q): a sequence's first row stands for its batch index
+        lse_strides = [lse_strides[1], lse_strides[0], lse_strides[1]]
+    for name, stride in zip(("batch", "head", "row"), lse_strides):
+        fields[f"lse_{name}_stride"] = stride
+    fields["stats_batch_stride"], fields["stats_head_stride"] = params.row_statistics_strides(p)
+    rows_per_batch = 1 if p.cu_seqlens is not None else p.seqlen_q
+    fields["dq_accum_batch_stride"] = rows_per_batch * p.heads * p.head_dim
+    fields.update(lse=lse.data.ptr, lse_log2=0, d=0, dq_accum=0)
     # keep_alive: the ALiBi slopes and sequence lengths the struct points to, until the launches are queued
-    record, keep_alive = params.launch_record(
-        p, ("backward", device_id, lse.strides, *(x.strides for _, x in named)), structs.BWD_PARAMS_DTYPE, pointers,
-        static_fields)
-    workspaces = {}
+    keep_alive = params.problem_fields(fields, p, device_id)
+    record = params.LaunchRecord(structs.BWD_PARAMS_DTYPE, fields, (*BACKWARD_POINTERS, "lse_log2", "d", "dq_accum"))
+    rows = p.heads * p.total_q  # row statistics, as row_statistics_strides
+    preprocess = bwd_row_kernel("preprocess", p.dtype_name, p.seqlen_q)
+    preprocess_grid = preprocess.grid(p.batch, p.heads, p.seqlen_q)
+    dq_grid = decision.dq.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k)
+    dq_shape = (p.total_q, p.heads, p.head_dim)
 
-    def dq_workspace(ring: int = 0):
-        """The float dQ workspace (the whole of it; a ring of `ring` slots, kept zeroed per stream),
-        its address in `pointers`."""
-        if ring:
-            elements = p.seqlen_q * ring * p.kv_group * p.head_dim  # (query, slot, head of the group, head dim)
-            if elements * accum.itemsize <= policy.ring_kept_bytes:
-                workspaces["dq"] = workspace.zeroed("dq ring", device_id, elements, accum)
-            else:
-                workspaces["dq"] = cupy.zeros(elements, accum)
-        elif "dq" not in workspaces or workspaces.get("ring"):
-            workspaces["dq"] = cupy.empty((p.total_q, p.heads, p.head_dim), accum)
-        workspaces["ring"] = ring
-        pointers["dq_accum"] = workspaces["dq"].data.ptr
-
-    def query_maps(kernel, ring=0):
+    def query_maps(kernel, pointers, ring=0):
         block_m = kernel.tile.block_m
         dq_dims = (1, p.seqlen_q, ring * p.kv_group) if ring else None
         return record.tensor_maps(
@@ -410,63 +462,90 @@ def plan_backward(p: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, poli
                                                p.dtype_name, p.head_dim, block_m, dq_dims),
             pointers)
 
-    dkdv = None
-    for candidate in ((kernel,) if kernel is not None else decision.kernels):
+    def ws_binder(candidate):
+        """The warp-specialised dK/dV kernel's launch: its dQ workspace or ring, its maps, counters."""
         seqlen_k = launch_seqlen_k(p, candidate)
-        if getattr(candidate, "ws", False):
-            positions = candidate.positions(seqlen_k)
-            grid = candidate.grid(p.batch, kv_heads, p.seqlen_q, seqlen_k, sm_count=info.sm_count)
-            ring = ring_slots(p, candidate, policy, positions, grid[0])
-            dq_workspace(ring)
-            maps = query_maps(candidate, ring)
+        positions = candidate.positions(seqlen_k)
+        grid = candidate.grid(p.batch, kv_heads, p.seqlen_q, seqlen_k, sm_count=info.sm_count)
+        ring = ring_slots(p, candidate, policy, positions, grid[0])
+        ring_elements = p.seqlen_q * ring * p.kv_group * p.head_dim  # (query, slot, head of the group, head dim)
+        ring_kept = ring_elements * accum.itemsize <= policy.ring_kept_bytes
+        n_counters = candidate.counters(kv_heads, p.batch)
+        order = numpy.array(0 if ring else _dkdv_item_order(p, candidate, device_id), numpy.uint64)
+        scalars = (numpy.array(positions, numpy.int32), numpy.array(positions * kv_heads * p.batch, numpy.int32))
+
+        def bind(pointers, stream, owners):
+            if not ring:
+                owner, pointers["dq_accum"] = stream.empty(dq_shape, accum)
+            elif ring_kept:
+                owner, pointers["dq_accum"] = None, workspace.zeroed("dq ring", ring_elements, accum, stream)
+            else:
+                owner, pointers["dq_accum"] = stream.zeros(ring_elements, accum)
+            maps = query_maps(candidate, pointers, ring)
             kv_maps = None if maps is None else record.tensor_maps(
                 ("k v", candidate.tile.block_n, kv_heads, pointers["k"], pointers["v"]),
-                lambda fields, c=candidate: tma.kv_tensor_maps(fields, (p.batch, p.seqlen_k, kv_heads), p.dtype_name,
-                                                               p.head_dim, c.tile.block_n),
+                lambda fields: tma.kv_tensor_maps(fields, (p.batch, p.seqlen_k, kv_heads), p.dtype_name,
+                                                  p.head_dim, candidate.tile.block_n),
                 pointers)
             if kv_maps is None:
-                continue
-            counters = workspace.zeroed_counters(device_id, candidate.counters(kv_heads, p.batch))
-            order = 0 if ring else _dkdv_item_order(p, candidate, device_id)
-            extra = (maps, kv_maps, numpy.array(positions, numpy.int32),
-                     numpy.array(positions * kv_heads * p.batch, numpy.int32),
-                     numpy.array(counters.data.ptr, numpy.uint64), numpy.array(ring, numpy.int32),
-                     numpy.array(order, numpy.uint64))
-            dkdv = (candidate, grid, extra)
-            break
-        if not p.deterministic:
-            dq_workspace()
-        extra = ()
-        if isinstance(candidate, WgmmaBwdDkdvKernel):  # the Hopper one-block kernel takes BwdTensorMaps
-            extra = (tma.NO_BWD_MAPS,)
-            if candidate.tma:
-                maps = query_maps(candidate) if "dq" in workspaces and p.cu_seqlens is None else None
+                return None
+            owners.append(owner)
+            counters = numpy.array(workspace.zeroed_counters(n_counters, stream), numpy.uint64)
+            return ring, (candidate, grid, (maps, kv_maps, *scalars, counters, numpy.array(ring, numpy.int32), order))
+
+        return bind
+
+    def one_block_binder(candidate):
+        """A one-block-per-key-tile dK/dV kernel's launch (the Hopper one with its BwdTensorMaps)."""
+        grid = candidate.grid(p.batch, kv_heads, p.seqlen_q, launch_seqlen_k(p, candidate))
+        hopper = isinstance(candidate, WgmmaBwdDkdvKernel)
+
+        def bind(pointers, stream, owners):
+            if not p.deterministic:
+                owner, pointers["dq_accum"] = stream.empty(dq_shape, accum)
+                owners.append(owner)
+            extra = (tma.NO_BWD_MAPS,) if hopper else ()
+            if hopper and candidate.tma:
+                maps = query_maps(candidate, pointers) if not p.deterministic and p.cu_seqlens is None else None
                 if maps is None:
-                    continue
+                    return None
                 extra = (maps,)
-        dkdv = (candidate, candidate.grid(p.batch, kv_heads, p.seqlen_q, seqlen_k), extra)
-        break
-    if dkdv is None:
-        raise ValueError(f"no tensor map could be made for {kernel}")  # (only a forced TMA kernel gets here)
-    ring = workspaces.get("ring", 0)
-    dq_accum = workspaces.get("dq")
-    workspace.keep_if_captured(lse_log2, d, dq_accum)  # the workspaces, which a graph's replays use
-    params_image = record.params(pointers)
+            return 0, (candidate, grid, extra)
 
-    launches = []
+        return bind
 
-    def add(kernel, grid, args):
-        if all(grid):  # (seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do)
-            launches.append(Launch(kernel, grid, args))
+    binders = [ws_binder(c) if getattr(c, "ws", False) else one_block_binder(c)
+               for c in ((kernel,) if kernel is not None else decision.kernels)]
 
-    preprocess = bwd_row_kernel("preprocess", p.dtype_name, p.seqlen_q)
-    # (no clear with a ring: its slots are zero already)
-    add(preprocess, preprocess.grid(p.batch, p.heads, p.seqlen_q),
-        (record.params({**pointers, "dq_accum": 0}) if ring else params_image,))
-    add(dkdv[0], dkdv[1], (params_image, *dkdv[2]))
-    if not ring:  # the ring's kernel rounds dq itself
-        add(decision.dq, decision.dq.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k), (params_image,))
-    return Plan(decision, device_id, launches, (keep_alive, lse_log2, d, dq_accum))
+    def bind(pointers: dict, stream: workspace.Stream) -> Plan:
+        owners = []
+        for name in ("lse_log2", "d"):
+            owner, pointers[name] = stream.empty(rows, accum)
+            owners.append(owner)
+        pointers["dq_accum"] = 0
+        for binder in binders:
+            chosen = binder(pointers, stream, owners)
+            if chosen is not None:
+                break
+        else:
+            raise ValueError(f"no tensor map could be made for {kernel}")  # (only a forced TMA kernel gets here)
+        ring, (dkdv, dkdv_grid, extra) = chosen
+        workspace.keep_if_captured(stream, *owners)  # the workspaces, which a graph's replays use
+        image = record.params(pointers)
+        launches = []
+
+        def add(kernel, grid, args):
+            if all(grid):  # (seqlen_q == 0 or seqlen_k == 0 leaves some kernels nothing to do)
+                launches.append(Launch(kernel, grid, args))
+
+        # (no clear with a ring: its slots are zero already)
+        add(preprocess, preprocess_grid, (record.params({**pointers, "dq_accum": 0}) if ring else image,))
+        add(dkdv, dkdv_grid, (image, *extra))
+        if not ring:  # the ring's kernel rounds dq itself
+            add(decision.dq, dq_grid, (image,))
+        return Plan(decision, device_id, launches, (keep_alive, *owners))
+
+    return bind
 
 
 def _dkdv_item_order(p: AttentionProblem, kernel, device_id: int) -> int:

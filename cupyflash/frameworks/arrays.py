@@ -43,7 +43,7 @@ def _cupy_origin(device_id: int) -> Origin:
     return Origin("cupy", device_id=device_id)
 
 
-def _cupy_ndarray_type():
+def cupy_ndarray_type():
     cupy = sys.modules.get("cupy")  # an array cannot be a CuPy array unless CuPy was imported
     return cupy.ndarray if cupy is not None else None
 
@@ -90,7 +90,7 @@ def classify(x, arg: str) -> Origin:
         return _NUMPY
     if type(x) is DeviceView:  # (as a CuPy array: read in place, never exported)
         return _cupy_origin(x.device.id)
-    cupy_ndarray = _cupy_ndarray_type()
+    cupy_ndarray = cupy_ndarray_type()
     if cupy_ndarray is not None and isinstance(x, cupy_ndarray):
         return _cupy_origin(x.data.device_id)
     if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):

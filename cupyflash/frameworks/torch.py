@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import numbers
 from typing import Optional
 
 import numpy
 import torch
 
-from cupyflash.api import common, decode, varlen
+from cupyflash.api import common, decode, prepared, varlen
+from cupyflash.dispatch import plan as planner
+from cupyflash.dispatch import policy as policies
 from cupyflash.frameworks import arrays as frameworks
 from cupyflash.problem import Options, lse_dtype
-from cupyflash.runtime import workspace
+from cupyflash.runtime import launch, workspace
 from cupyflash.validation import BFLOAT16
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_decode",
@@ -62,7 +65,7 @@ def attention(
     args = None if block_mask is not None else _operator_args(
         q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset, deterministic)
     if args is not None:  # (the operator draws an absent dropout seed itself: torch.compile traces it whole)
-        out, lse, _ = _attention_forward(*args)
+        out, lse, _ = (_AttentionOperator.apply if _needs_grad(q, k, v) else _attention_forward)(*args)
     else:
         seed, offset = dropout_seed(dropout_p, seed, offset, q)
         options = Options(causal=causal, scale=scale, deterministic=deterministic, block_mask=block_mask,
@@ -87,7 +90,8 @@ def attention_varlen(
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if (args is not None and all(isinstance(c, torch.Tensor) for c in lengths[:2])
             and all(m is None or _is_int(m) for m in lengths[2:])):
-        out, lse = _attention_varlen_forward(*args[:3], *lengths, *args[3:])
+        run = _VarlenOperator.apply if _needs_grad(q, k, v) else _attention_varlen_forward
+        out, lse = run(*args[:3], *lengths, *args[3:])
     else:
         out, lse = _eager(FlashAttentionVarlenFunction.apply)(q, k, v, *lengths, causal, scale, deterministic, window,
                                                               softcap, alibi_slopes, (dropout_p, seed, offset))
@@ -192,6 +196,121 @@ def _on_torch_stream(x):
 _LSE_DTYPES = {numpy.dtype(numpy.float32): torch.float32, numpy.dtype(numpy.float64): torch.float64}
 
 
+# --------------------------------------------------------------------------- prepared calls
+#
+# The operators' CUDA calls without ALiBi slopes or dropout go through api/prepared.py's cache of
+# prepared calls, keyed by each tensor's shape, strides, dtype, device and 16-byte alignment and the
+# operator's options (typed by its schema): a call whose signature was prepared allocates its
+# results and workspaces from torch's caching allocator and launches on torch's current stream,
+# nothing else (no checks, no CuPy stream or array objects).
+
+
+def _signature(x) -> tuple:
+    return x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0
+
+
+def _raw_stream(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# torch's own accessor of the current cudaStream_t (what code that torch.compile generates calls):
+# ~0.2 us against current_stream's ~3.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream)
+
+
+_ALLOCATORS: dict = {}  # device index -> (empty, zeros) of workspace.Stream
+
+
+def _allocators(index: int) -> tuple:
+    allocators = _ALLOCATORS.get(index)
+    if allocators is None:
+        def allocate(make, n, dtype):
+            x = make(n, dtype=_LSE_DTYPES.get(numpy.dtype(dtype)) or _TORCH_DTYPES[numpy.dtype(dtype)], device=index)
+            return x, x.data_ptr()
+
+        allocators = _ALLOCATORS[index] = (functools.partial(allocate, torch.empty),
+                                           functools.partial(allocate, torch.zeros))
+    return allocators
+
+
+# (the counters: uint32 to the kernels, int32 to torch, whose uint32 tensors have few operators)
+_TORCH_DTYPES = {numpy.dtype(numpy.uint32): torch.int32, numpy.dtype(numpy.int32): torch.int32}
+
+
+def _torch_stream(index: int) -> workspace.Stream:
+    """torch's current stream on the device, with its caching allocator (`workspace.Stream`)."""
+    import cupy
+
+    ptr = _raw_stream(index)
+    capturing = cupy.cuda.runtime.streamIsCapturing(ptr) != cupy.cuda.runtime.streamCaptureStatusNone
+    return workspace.Stream(ptr, index, capturing, *_allocators(index))
+
+
+def _prepared_forward(q, k, v, options: tuple):
+    """out, lse of the dense forward operator through the signature's prepared call (made by this
+    call if it is the first), or None where the tensors are not the kernels' to read in place."""
+    key = ("torch forward", *_signature(q), *_signature(k), *_signature(v), options)
+    entry = prepared.lookup(key)
+    if entry is None:
+        if not _on_gpu(q, k, v):
+            return None
+        causal, scale, windowed, left, right, softcap = options
+        with _TorchStream(q):  # (the checks, and what the first plan uploads, on torch's stream)
+            arrays, origins = common.ingest({"q": _view(q), "k": _view(k), "v": _view(v)})
+            p = common.checked_problem("forward", arrays, origins, Options(
+                causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap,
+                return_lse=True))
+            shapes = common.forward_shapes(p)
+            out, lse = empty(shapes[0], q.dtype, q.device), empty(shapes[1], _LSE_DTYPES[lse_dtype(p.dtype_name)], q.device)
+            bind = planner.prepare_forward(p, *arrays.values(), _view(out), _view(lse), policies.current())
+        entry = prepared.PreparedCall(p, bind, policies.current(), (*shapes, lse.dtype))
+        prepared.keep(key, entry)
+    else:
+        out = empty(entry.shapes[0], q.dtype, q.device)
+        lse = empty(entry.shapes[1], entry.shapes[2], q.device)
+    index = q.get_device()
+    with prepared.on_device(index):
+        stream = _torch_stream(index)
+        pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr(),
+                    "lse": lse.data_ptr()}
+        launch.run(entry.bind(pointers, stream), stream.ptr)
+    return out, lse
+
+
+def _prepared_backward(dout, q, k, v, out, lse, options: tuple):
+    """dq, dk, dv of the dense backward operator through the signature's prepared call, as
+    `_prepared_forward`."""
+    if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
+        dout = dout.contiguous()
+    tensors = (dout, q, k, v, out, lse)
+    key = ("torch backward", *(part for x in tensors for part in _signature(x)), options)
+    entry = prepared.lookup(key)
+    grads = None
+    if entry is None:
+        if not _on_gpu(*tensors):
+            return None
+        causal, scale, windowed, left, right, softcap, deterministic = options
+        with _TorchStream(q):
+            arrays, origins = common.ingest(dict(zip(common.BACKWARD_ARRAYS, map(_view, tensors))))
+            p = common.checked_problem("backward", arrays, origins, Options(
+                causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap,
+                deterministic=deterministic))
+            grads = tuple(empty_like(x) for x in (q, k, v))
+            if p.batch == 0 or p.heads == 0:
+                return None
+            bind = planner.prepare_backward(p, *arrays.values(), *map(_view, grads), policies.current())
+        entry = prepared.PreparedCall(p, bind, policies.current(), None)
+        prepared.keep(key, entry)
+    if grads is None:
+        grads = tuple(empty_like(x) for x in (q, k, v))
+    index = q.get_device()
+    with prepared.on_device(index):
+        stream = _torch_stream(index)
+        named = zip(planner.BACKWARD_POINTERS, (q, k, v, out, dout, *grads, lse))
+        launch.run(entry.bind({name: x.data_ptr() for name, x in named}, stream), stream.ptr)
+    return grads
+
+
 def _forward(q, k, v, options: Options) -> tuple:
     """out, lse of `cupyflash.attention` (options.return_lse True): CUDA tensors read in place and
     the results allocated by torch; other tensors take the generic path (DLPack, and its checks)."""
@@ -241,6 +360,14 @@ def _laid_out_like(grads, inputs) -> tuple:
     return tuple(out)
 
 
+def _save(ctx, tensors: tuple, options, *non_differentiable) -> None:
+    """What an autograd.Function's backward reads: the tensors, the options; and which of its
+    outputs get no gradient."""
+    ctx.save_for_backward(*tensors)
+    ctx.options = options
+    ctx.mark_non_differentiable(*non_differentiable)
+
+
 class FlashAttentionFunction(torch.autograd.Function):
     """Forward: out, lse = cupyflash.attention(...); saves q, k, v, out, lse (O(seqlen) extra) and
     returns both (lse without gradient). Backward: cupyflash.attention_backward, recomputing the
@@ -253,9 +380,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         if options.return_lse is not True:  # (lse is saved for the backward)
             options = dataclasses.replace(options, return_lse=True)
         out, lse = _forward(q, k, v, options)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = options
-        ctx.mark_non_differentiable(lse)
+        _save(ctx, (q, k, v, out, lse), options, lse)
         return out, lse
 
     @staticmethod
@@ -265,10 +390,27 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- torch.library operators
 #
-# The dense forward and backward as torch operators (flash-attn's way since 2.7): torch.compile
-# traces through them (their fake implementations give the results' shapes, dtypes and strides)
-# and autograd reaches the backward operator through register_autograd. A window travels as two
-# optional ints and a flag, an absent seed as None.
+# The dense, varlen and decode calls as torch operators (flash-attn's way since 2.7): torch.compile
+# traces through them (their fake implementations give the results' shapes, dtypes and strides),
+# and autograd.Functions outside them (_AttentionOperator, _VarlenOperator) call the backward
+# operators. They are defined with torch.library.define/impl rather than custom_op, whose
+# register_autograd wrapper cost ~150 us a call at these 14-21 arguments on torch 2.11 (its
+# fill_defaults reads the schema's argument list once per argument): the forward operator alone
+# took 281 us of host time a call against the autograd.Function's 111 (H200 machine). A window
+# travels as two optional ints and a flag, an absent seed as None.
+
+_LIBRARY = torch.library.Library("cupyflash", "DEF")
+
+
+def _operator(function, mutates_args=()):
+    """Defines cupyflash::<function's name, without its leading underscore> with the schema of its
+    annotations and `function` as its implementation on CPU and CUDA tensors; returns the
+    operator (an OpOverload, which `torch.library.register_fake` and opcheck take)."""
+    name = function.__name__.lstrip("_")
+    _LIBRARY.define(name + torch.library.infer_schema(function, mutates_args=mutates_args))
+    for key in ("CPU", "CUDA"):
+        _LIBRARY.impl(name, function, key)
+    return getattr(torch.ops.cupyflash, name).default
 
 
 def _window_args(window) -> tuple:
@@ -285,16 +427,22 @@ def _operator_options(causal, scale, windowed, window_left, window_right, softca
                    deterministic=deterministic, return_lse=True)
 
 
-@torch.library.custom_op("cupyflash::attention_forward", mutates_args=())
 def _attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float], windowed: bool,
     window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
     alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int], offset: int, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if alibi_slopes is None and dropout_p == 0.0 and q.is_cuda:
+        results = _prepared_forward(q, k, v, (causal, scale, windowed, window_left, window_right, softcap))
+        if results is not None:
+            return (*results, _rng_state(q, dropout_p, seed, offset))
     seed, offset = dropout_seed(dropout_p, seed, offset, q)
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                                 seed, offset, deterministic)
     return (*_forward(q, k, v, options), _rng_state(q, dropout_p, seed, offset))
+
+
+_attention_forward = _operator(_attention_forward)
 
 
 def _rng_state(q, dropout_p, seed, offset) -> torch.Tensor:
@@ -312,7 +460,7 @@ def _fake_rng_state(q, dropout_p) -> torch.Tensor:
     return q.new_empty((0,), dtype=torch.int64)
 
 
-@_attention_forward.register_fake
+@torch.library.register_fake(_attention_forward)
 def _(q, k, v, causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset,
       deterministic):
     batch, seqlen_q, heads, _ = q.shape
@@ -321,17 +469,24 @@ def _(q, k, v, causal, scale, windowed, window_left, window_right, softcap, alib
             _fake_rng_state(q, dropout_p))
 
 
-@torch.library.custom_op("cupyflash::attention_backward", mutates_args=())
 def _attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     causal: bool, scale: Optional[float], windowed: bool, window_left: Optional[int], window_right: Optional[int],
     softcap: Optional[float], alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng_state: torch.Tensor,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if alibi_slopes is None and dropout_p == 0.0 and q.is_cuda:
+        grads = _prepared_backward(dout, q, k, v, out, lse,
+                                   (causal, scale, windowed, window_left, window_right, softcap, deterministic))
+        if grads is not None:
+            return grads
     seed, offset = _drawn(dropout_p, rng_state)
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                                 seed, offset, deterministic)
     return _backward(dout, q, k, v, out, lse, options)
+
+
+_attention_backward = _operator(_attention_backward)
 
 
 def _drawn(dropout_p, rng_state) -> tuple:
@@ -342,28 +497,32 @@ def _drawn(dropout_p, rng_state) -> tuple:
     return seed, offset
 
 
-@_attention_backward.register_fake
+@torch.library.register_fake(_attention_backward)
 def _(dout, q, k, v, out, lse, *options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_backward(ctx, inputs, output):
-    q, k, v, *options = inputs
-    out, lse, rng_state = output
-    ctx.save_for_backward(q, k, v, out, lse, rng_state)
-    ctx.options = options
-    ctx.mark_non_differentiable(lse, rng_state)
+class _AttentionOperator(torch.autograd.Function):
+    """Autograd of the dense operators: the forward operator, then the backward operator on the
+    saved q, k, v, out, lse and the forward's rng_state (its dropout seed and offset)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *options):
+        out, lse, rng_state = _attention_forward(q, k, v, *options)
+        _save(ctx, (q, k, v, out, lse, rng_state), options, lse, rng_state)
+        return out, lse, rng_state
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _drng):
+        q, k, v, out, lse, rng_state = ctx.saved_tensors
+        causal, scale, windowed, left, right, softcap, slopes, dropout_p, _seed, _offset, deterministic = ctx.options
+        grads = _attention_backward(dout, q, k, v, out, lse, causal, scale, windowed, left, right, softcap, slopes,
+                                    dropout_p, rng_state, deterministic)
+        return (*grads,) + (None,) * len(ctx.options)
 
 
-def _attention_gradients(ctx, dout, _dlse, _drng):
-    q, k, v, out, lse, rng_state = ctx.saved_tensors
-    causal, scale, windowed, left, right, softcap, slopes, dropout_p, _seed, _offset, deterministic = ctx.options
-    grads = _attention_backward(dout, q, k, v, out, lse, causal, scale, windowed, left, right, softcap, slopes,
-                                dropout_p, rng_state, deterministic)
-    return (*grads,) + (None,) * len(ctx.options)
-
-
-_attention_forward.register_autograd(_attention_gradients, setup_context=_setup_backward)
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
 
 def _operator_args(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset,
@@ -438,7 +597,6 @@ def _varlen_options(causal, scale, windowed, window_left, window_right, softcap,
                 softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
 
 
-@torch.library.custom_op("cupyflash::attention_varlen_forward", mutates_args=())
 def _attention_varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool, scale: Optional[float], windowed: bool,
@@ -450,14 +608,16 @@ def _attention_varlen_forward(
     return _varlen_forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), options)
 
 
-@_attention_varlen_forward.register_fake
+_attention_varlen_forward = _operator(_attention_varlen_forward)
+
+
+@torch.library.register_fake(_attention_varlen_forward)
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
     total_q, heads, _ = q.shape
     lse_type = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty((heads, total_q), dtype=lse_type)
 
 
-@torch.library.custom_op("cupyflash::attention_varlen_backward", mutates_args=())
 def _attention_varlen_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
@@ -471,25 +631,28 @@ def _attention_varlen_backward(
                             dict(options, deterministic=deterministic))
 
 
-@_attention_varlen_backward.register_fake
+_attention_varlen_backward = _operator(_attention_varlen_backward)
+
+
+@torch.library.register_fake(_attention_varlen_backward)
 def _(dout, q, k, v, *options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_varlen_backward(ctx, inputs, output):
-    q, k, v, *options = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.options = options
-    ctx.mark_non_differentiable(output[1])
+class _VarlenOperator(torch.autograd.Function):
+    """Autograd of the varlen operators, as _AttentionOperator."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, *options):
+        out, lse = _attention_varlen_forward(q, k, v, *options)
+        _save(ctx, (q, k, v, out, lse), options, lse)
+        return out, lse
 
-def _varlen_gradients(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    grads = _attention_varlen_backward(dout, q, k, v, out, lse, *ctx.options)
-    return (*grads,) + (None,) * len(ctx.options)
-
-
-_attention_varlen_forward.register_autograd(_varlen_gradients, setup_context=_setup_varlen_backward)
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _attention_varlen_backward(dout, q, k, v, out, lse, *ctx.options)
+        return (*grads,) + (None,) * len(ctx.options)
 
 
 def attention_backward(
@@ -540,7 +703,6 @@ def attention_decode(
     return (out, lse) if return_lse else out
 
 
-@torch.library.custom_op("cupyflash::attention_decode", mutates_args=("k_cache", "v_cache"))
 def _attention_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],
     k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], causal: bool, scale: Optional[float], windowed: bool,
@@ -555,7 +717,10 @@ def _attention_decode(
     return _as_torch(out), _as_torch(lse)
 
 
-@_attention_decode.register_fake
+_attention_decode = _operator(_attention_decode, mutates_args=("k_cache", "v_cache"))
+
+
+@torch.library.register_fake(_attention_decode)
 def _(q, k_cache, v_cache, *options):
     batch, seqlen_q, heads, _ = q.shape
     lse_type = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -10,15 +10,17 @@ import numpy
 from cupyflash.runtime import compiler
 
 
-def run(plan) -> None:
-    """Queues the plan's launches in order."""
+def run(plan, stream: int | None = None) -> None:
+    """Queues the plan's launches in order on the stream (a cudaStream_t; default: CuPy's current
+    stream)."""
+    stream = _current_stream_ptr() if stream is None else stream
     for launch_ in plan.launches:
-        launch(launch_.kernel, plan.device_id, launch_.grid, *launch_.args)
+        launch(launch_.kernel, plan.device_id, launch_.grid, *launch_.args, stream=stream)
 
 
-def launch(kernel, device_id: int, grid, params: numpy.ndarray, *more: numpy.ndarray) -> None:
-    """Launches `kernel` on CuPy's current stream with its parameter struct (`more`: byte images of
-    further by-value arguments, such as the Hopper kernels' tensor maps).
+def launch(kernel, device_id: int, grid, params: numpy.ndarray, *more: numpy.ndarray, stream: int | None = None) -> None:
+    """Launches `kernel` on the stream (default: CuPy's current stream) with its parameter struct
+    (`more`: byte images of further by-value arguments, such as the Hopper kernels' tensor maps).
 
     Straight through the driver's cuLaunchKernel with the arguments' addresses: CuPy's kernel call,
     which wraps each argument, took about 7 us more a launch on an H200 machine's host (a
@@ -27,7 +29,7 @@ def launch(kernel, device_id: int, grid, params: numpy.ndarray, *more: numpy.nda
     addresses = numpy.array([_address(x) for x in (params, *more)], numpy.uint64)
     x, y, z = (*grid, 1, 1)[:3]
     _driver().launchKernel(_function_pointer(kernel, device_id), x, y, z, kernel.num_threads, 1, 1, kernel.smem_bytes,
-                           _current_stream_ptr(), _address(addresses), 0)
+                           _current_stream_ptr() if stream is None else stream, _address(addresses), 0)
 
 
 @functools.cache

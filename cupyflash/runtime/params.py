@@ -1,7 +1,7 @@
 """The kernels' argument structs as byte images (catalog/params.py's dtypes), filled from a checked
-problem and its arrays, and kept per problem (`LaunchRecord`): a training or inference loop calls
-with the same shapes, strides, dtypes and options again and again, and building these images was
-most of a call's host time."""
+problem and its arrays, and kept in its prepared launches (`LaunchRecord`, dispatch/plan.py): a
+training or inference loop calls with the same shapes, strides, dtypes and options again and
+again, and building these images was most of a call's host time."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def image(dtype: numpy.dtype, fields: dict) -> numpy.ndarray:
 class LaunchRecord:
     """A launch's parameter struct with every field but its array pointers filled in, from which
     each call's struct is a copy with the call's pointers written in; and the tensor maps made for
-    the pointers seen lately (a map holds its array's address). Kept in the problem's memo."""
+    the pointers seen lately (a map holds its array's address)."""
 
     # A model's layers share one problem and call it with their own arrays, at addresses that the
     # memory pools give back step after step: 8 kept sets were rebuilt on every call of a loop over
@@ -161,19 +161,3 @@ class LaunchRecord:
         maps = make({**self.fields, **pointers})
         keep_bounded(self.maps, key, maps, self.MAPS_KEPT)  # (a model of more layers: the oldest go)
         return maps
-
-
-def launch_record(p: AttentionProblem, key: tuple, dtype: numpy.dtype, pointers: dict, static_fields):
-    """The problem's `LaunchRecord` for `key` (the launch's kind, device and arrays' strides):
-    from its memo, or made from static_fields() -> (fields, arrays to keep alive) and kept there.
-    Problems with ALiBi slopes or sequence lengths (device arrays made per call) are not memoised.
-    Returns (record, the arrays its struct points to, which must live until the launch is queued)."""
-    memoised = p.alibi_slopes is None and p.cu_seqlens is None and p.seqlens_k is None
-    record = p.memo.get(key) if memoised else None
-    if record is not None:
-        return record, None
-    fields, keep_alive = static_fields()
-    record = LaunchRecord(dtype, {**fields, **pointers}, tuple(pointers))
-    if memoised:
-        p.memo[key] = record
-    return record, keep_alive

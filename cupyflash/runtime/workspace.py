@@ -5,6 +5,7 @@ the one lock of every bounded cache."""
 from __future__ import annotations
 
 import threading
+import typing
 
 import numpy
 
@@ -12,42 +13,83 @@ import numpy
 # stream run one after another: "counters" (the persistent kernels' claims and dQ slab counts,
 # decode's split counts) and "dq ring" (the warp-specialised dK/dV kernel's dQ ring, which would
 # otherwise be cleared by a memset on every call).
-ZEROED: dict = {}
+ZEROED: dict = {}  # (purpose, device, stream handle) -> Zeroed
+
+
+class Zeroed(typing.NamedTuple):
+    owner: object  # the CuPy array or torch tensor
+    size: int
+    dtype: numpy.dtype
+    ptr: int
+
 # The workspaces and counters of calls captured into CUDA graphs, which replays go on using (a
 # graph holds the addresses for its life, which may be the process's).
 CAPTURED: list = []
 _BOUNDED_LOCK = threading.Lock()
 
 
-def zeroed(purpose: str, device_id: int, n: int, dtype, least: int = 0):
-    """A zeroed buffer of at least n elements of dtype for a launch on the current stream, which the
-    launch must leave zeroed. A call being captured into a CUDA graph gets one of its own, as its
-    replays may run on any stream beside calls on this one (the memset is captured too: harmless)."""
+class Stream:
+    """Where a call's launches go and its workspaces come from: the CUDA stream's handle, whether it
+    is being captured into a graph, and the allocator whose blocks are reused in that stream's
+    order (CuPy's pool on its current stream, `cupy_stream`; torch's caching allocator for the
+    torch adapter). `empty(shape, dtype)` and `zeros(shape, dtype)` give (owner, address) of an array
+    of that shape (an int or a tuple); a workspace stays valid while its owner is referenced."""
+
+    __slots__ = ("ptr", "device_id", "capturing", "empty", "zeros")
+
+    def __init__(self, ptr: int, device_id: int, capturing: bool, empty, zeros):
+        self.ptr, self.device_id, self.capturing, self.empty, self.zeros = ptr, device_id, capturing, empty, zeros
+
+
+def _cupy_empty(shape, dtype):
+    import cupy
+
+    x = cupy.empty(shape, dtype)
+    return x, x.data.ptr
+
+
+def _cupy_zeros(shape, dtype):
+    import cupy
+
+    x = cupy.zeros(shape, dtype)
+    return x, x.data.ptr
+
+
+def cupy_stream() -> Stream:
+    """CuPy's current stream on the current device, with CuPy's memory pool."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    if stream.is_capturing():
-        return keep_if_captured(cupy.zeros(n, dtype))
-    key = (purpose, device_id, stream.ptr)
-    buffer = ZEROED.get(key)
-    if buffer is None or buffer.size < n or buffer.dtype != dtype:
-        buffer = ZEROED[key] = cupy.zeros(max(n, least), dtype)
-    return buffer
+    return Stream(stream.ptr, cupy.cuda.runtime.getDevice(), stream.is_capturing(), _cupy_empty, _cupy_zeros)
 
 
-def zeroed_counters(device_id: int, n: int):
+def zeroed(purpose: str, n: int, dtype, stream: Stream, least: int = 0) -> int:
+    """The address of a zeroed buffer of at least n elements of dtype for a launch on `stream`, which
+    the launch must leave zeroed. A call being captured into a CUDA graph gets one of its own, as its
+    replays may run on any stream beside calls on this one (the clear is captured too: harmless)."""
+    if stream.capturing:
+        owner, ptr = stream.zeros(n, dtype)
+        CAPTURED.append(owner)
+        return ptr
+    key = (purpose, stream.device_id, stream.ptr)
+    kept = ZEROED.get(key)
+    if kept is None or kept.size < n or kept.dtype != dtype:
+        size = max(n, least)
+        owner, ptr = stream.zeros(size, dtype)
+        kept = ZEROED[key] = Zeroed(owner, size, dtype, ptr)
+    return kept.ptr
+
+
+def zeroed_counters(n: int, stream: Stream) -> int:
     """`zeroed`'s uint32 counters, at least 1024 of them."""
-    return zeroed("counters", device_id, n, numpy.dtype(numpy.uint32), 1024)
+    return zeroed("counters", n, numpy.dtype(numpy.uint32), stream, 1024)
 
 
-def keep_if_captured(x, *more):
-    """x, kept alive for the process's life with the other arrays given (None: skipped) if the
-    current stream is being captured into a graph."""
-    import cupy
-
-    if cupy.cuda.get_current_stream().is_capturing():
-        CAPTURED.extend(y for y in (x, *more) if y is not None)
-    return x
+def keep_if_captured(stream: Stream, *owners) -> None:
+    """Keeps the owners given (None: skipped) alive for the process's life if `stream` is being
+    captured into a graph."""
+    if stream.capturing:
+        CAPTURED.extend(x for x in owners if x is not None)
 
 
 def keep_bounded(cache: dict, key, value, limit: int) -> None:

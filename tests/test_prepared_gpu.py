@@ -1,0 +1,103 @@
+"""The cache of prepared calls (api/prepared.py): a call whose signature was prepared launches from
+it, and any property the checks or the planner read (a stride, a dtype, an option, the policy)
+makes another signature; a full cache drops its oldest; bad input on a new signature is still
+refused before any launch. The results are judged against float64 on every call."""
+
+import numpy
+import pytest
+
+import cupyflash
+from cupyflash.api import common, prepared
+from cupyflash.problem import Options
+from cupyflash.dispatch import policy as policies
+from shapes import random_qkv
+from test_attention_gpu import assert_matches_reference
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy")
+
+
+@pytest.fixture(autouse=True)
+def empty_cache(monkeypatch):
+    monkeypatch.setattr(prepared, "PREPARED", {})
+
+
+def check(q, k, v, out, causal=False, **options):
+    assert_matches_reference(q, k, v, out, None, str(q.dtype), causal, **options)
+
+
+def test_each_property_of_a_call_is_its_own_signature(rng):
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float16", 2, 113, 203, 4, 64))
+    calls = [
+        ((q, k, v), dict(causal=True)),
+        ((q, k, v), dict(causal=True)),  # the same signature: launched from the prepared call
+        ((q, k, v), dict(causal=False)),
+        ((q.astype(cupy.float32), k.astype(cupy.float32), v.astype(cupy.float32)), dict(causal=True)),
+        ((cupy.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3), k, v), dict(causal=True)),
+        ((q[:, 1:], k, v), dict(causal=True)),  # a shape, and an address no longer 16-byte aligned
+        ((q, k, v), dict(causal=True, window=(17, 0))),
+    ]
+    sizes = []
+    for arrays, options in calls:
+        check(*arrays, cupyflash.attention(*arrays, **options), **options)
+        sizes.append(len(prepared.PREPARED))
+    assert sizes == [1, 1, 2, 3, 4, 5, 6]
+
+
+def test_a_changed_policy_prepares_again(rng):
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "bfloat16", 1, 256, 256, 2, 64))
+    cupyflash.attention(q, k, v, causal=True)
+    (entry,) = prepared.PREPARED.values()
+    with policies.override(tma=False):
+        check(q, k, v, cupyflash.attention(q, k, v, causal=True), causal=True)
+        (again,) = prepared.PREPARED.values()
+    assert again is not entry and again.policy is not entry.policy
+
+
+def test_a_full_cache_drops_its_oldest(rng, monkeypatch):
+    monkeypatch.setattr(prepared, "PREPARED_KEPT", 2)
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float16", 1, 64, 64, 2, 40))
+    for scale in (0.1, 0.2, 0.3):
+        check(q, k, v, cupyflash.attention(q, k, v, scale=scale), scale=scale)
+    assert len(prepared.PREPARED) == 2
+    assert [key[-1][1] for key in prepared.PREPARED] == [(float, 0.2), (float, 0.3)]
+
+
+def test_bad_input_is_refused_after_its_good_twin_was_prepared(rng):
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float16", 1, 64, 64, 2, 64))
+    cupyflash.attention(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal"):
+        cupyflash.attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="scale"):
+        cupyflash.attention(q, k, v, causal=True, scale=-1.0)
+
+
+def test_the_backward_is_prepared_and_matches_the_full_path(rng):
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, "float16", 2, 203, 113, 4, 59))
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = cupy.asarray(rng.standard_normal(out.shape).astype(numpy.float16))
+    first = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    again = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    assert len(prepared.PREPARED) == 2  # the forward's and the backward's
+    full = common.backward_call(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse),
+                                              Options(causal=True, deterministic=True))
+    for a, b, c in zip(first, again, full):
+        assert cupy.array_equal(a.view(cupy.uint16), b.view(cupy.uint16))
+        assert cupy.array_equal(a.view(cupy.uint16), c.view(cupy.uint16))
+
+
+def test_torch_operators_share_the_cache(rng):
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as adapter
+
+    q, k, v = (torch.randn(2, 113, 4, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    for _ in range(2):
+        out = adapter.attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+    kinds = sorted(key[0] for key in prepared.PREPARED)
+    assert kinds == ["torch backward", "torch forward"]
+    strided = torch.randn(2, 4, 113, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
+    adapter.attention(strided, k.detach(), v.detach(), causal=True)
+    assert len(prepared.PREPARED) == 3
+    got = adapter.attention(strided, k.detach(), v.detach(), causal=True)
+    assert_matches_reference(strided, k, v, got, None, "float16", True)
