@@ -189,11 +189,14 @@ def test_a_column_far_longer_than_the_rest_is_claimed_first(rng, device, head_di
 
 
 def test_a_captured_backward_keeps_its_buffers(rng, device):
-    """Under graph capture the row statistics, the ring and the counters are the call's own, kept
-    for the process's life, and the stream's kept buffers are not touched."""
+    """Under graph capture the row statistics (lse_log2 and D, one allocation), the ring and the
+    counters are the call's own, kept for the process's life, and the stream's kept buffers are
+    not touched."""
     device.capturing = True
     backward(device, rng, 64, 0.25)
     _, _, more, params = dkdv_launch(device)
     kept = {x.data.ptr for x in workspace.CAPTURED}
     assert not workspace.ZEROED
-    assert {field(params, "dq_accum"), field(params, "lse_log2"), field(params, "d"), int(more[4])} <= kept
+    assert {field(params, "dq_accum"), field(params, "lse_log2"), int(more[4])} <= kept
+    (stats,) = [x for x in workspace.CAPTURED if x.data.ptr == field(params, "lse_log2")]  # D shares its allocation
+    assert field(params, "lse_log2") < field(params, "d") < field(params, "lse_log2") + stats.nbytes
