@@ -120,6 +120,41 @@ def test_a_padded_encoder(rng, calls):
     assert calls and set(calls) == {"varlen"}
 
 
+def test_a_padded_batch_is_unpadded_once_per_forward(rng, monkeypatch):
+    """The layers of a forward get one mask tensor: its rows and lengths are found once (each
+    nonzero() waits for the GPU) and its lengths read to the host once; a new mask (or the same
+    one written in place) is read again."""
+    made, read = [], []
+    rows_and_lengths, host_lengths = adapter._rows_and_lengths, adapter.adapter._host_lengths
+    monkeypatch.setattr(adapter, "_rows_and_lengths", lambda *a: made.append(1) or rows_and_lengths(*a))
+    monkeypatch.setattr(adapter.adapter, "_host_lengths", lambda x: read.append(id(x)) or host_lengths(x))
+    torch.manual_seed(int(rng.integers(2**31)))
+    bert = transformers.BertConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=4, max_position_embeddings=128)
+    model = transformers.BertModel._from_config(bert, attn_implementation=IMPL).eval()
+    ids = torch.randint(0, 97, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, 11:] = 0
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert len(made) == 1 and len(read) == 3 * 2 and len(set(read)) == 2  # each layer: q's and k's lengths
+        mask[1, 11:15] = 1  # the same tensor, written: read again
+        second = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert len(made) == 2
+    assert not torch.equal(first[1, 11:15], second[1, 11:15])
+
+
+def test_host_lengths_are_read_once_per_tensor_and_version():
+    from cupyflash.frameworks import torch as torch_adapter
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    first = torch_adapter._host_lengths(cu)
+    assert torch_adapter._host_lengths(cu) is first and not first.flags.writeable
+    cu[2] = 9
+    again = torch_adapter._host_lengths(cu)
+    assert again is not first and again.tolist() == [0, 3, 9]
+
+
 @pytest.mark.parametrize("decoder_length", [20, 9])
 def test_cross_attention_of_an_encoder_decoder(rng, calls, decoder_length):
     """BART with a padded encoder batch (right and left): the decoder's cross-attention reads the

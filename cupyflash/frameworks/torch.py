@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import numbers
+import weakref
 from typing import Optional
 
 import numpy
@@ -582,7 +583,36 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
         return _varlen_backward(dout, *ctx.saved_tensors, ctx.cu_seqlens, ctx.options) + (None,) * 11
 
 
+# Host copies of length tensors (cu_seqlens), by tensor: a packed batch's lengths go to every
+# layer's forward and backward, and each read of a CUDA tensor waits for the GPU. An entry holds
+# only while it is the same live tensor at the same version (an in-place write bumps it) and
+# address.
+_HOST_LENGTHS: dict = {}
+_HOST_LENGTHS_KEPT = 64
+
+
+def _host_lengths(x):
+    """A tensor's values as a read-only NumPy array, read once per tensor and version. The varlen
+    checks then read the copy, and the kernels an upload of it that is kept for the same values
+    (runtime/params.py's _device_lengths)."""
+    kept = _HOST_LENGTHS.get(id(x))
+    if kept is not None and kept[0]() is x and kept[1:3] == (x._version, x.data_ptr()):
+        return kept[3]
+    host = x.detach().cpu().numpy()
+    host.setflags(write=False)
+    workspace.keep_bounded(_HOST_LENGTHS, id(x), (weakref.ref(x), x._version, x.data_ptr(), host), _HOST_LENGTHS_KEPT)
+    return host
+
+
+def _varlen_lengths(lengths: tuple) -> tuple:
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the cu_seqlens that are
+    integer tensors as their kept host copies (others go as given: the checks name them)."""
+    return (*(_host_lengths(x) if isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex()
+              and x.dtype != torch.bool else x for x in lengths[:2]), *lengths[2:])
+
+
 def _varlen_forward(q, k, v, cu_seqlens, options: dict) -> tuple:
+    cu_seqlens = _varlen_lengths(cu_seqlens)
     q, k, v = (x.detach() for x in (q, k, v))
     if isinstance(options.get("alibi_slopes"), torch.Tensor):
         options = dict(options, alibi_slopes=options["alibi_slopes"].detach())
@@ -591,6 +621,7 @@ def _varlen_forward(q, k, v, cu_seqlens, options: dict) -> tuple:
 
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens, options: dict) -> tuple:
+    cu_seqlens = _varlen_lengths(cu_seqlens)
     inputs = (q, k, v)
     q, k, v, out, lse, dout = (x.detach() for x in (q, k, v, out, lse, dout))
     if dout.stride(-1) != 1:

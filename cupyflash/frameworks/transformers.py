@@ -20,11 +20,14 @@ Importing this module imports torch and transformers, which cupyflash does not o
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import transformers
 from transformers import masking_utils
 
 from cupyflash.frameworks import torch as adapter
+from cupyflash.runtime import workspace
 
 __all__ = ["NAME", "attention"]
 
@@ -55,6 +58,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if packed is not None:
         out = adapter.attention_varlen(q[0], k[0], v[0], *packed, **options)
         return out.unsqueeze(0), None
+    given_mask = attention_mask
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(f"cupyflash.transformers: attention_mask must be the 2-D padding mask (batch, keys) of "
@@ -70,7 +74,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
             return adapter.attention_decode(q, k, v, lengths, **options), None
     if attention_mask is None:
         return adapter.attention(q, k, v, **options), None
-    return _padded(q, k, v, attention_mask, query_mask, options), None
+    unpadding = _unpadding(given_mask, (q.shape[1], k.shape[1], causal), attention_mask, query_mask)
+    return _padded(q, k, v, unpadding, options), None
 
 
 def _query_mask(mask, seqlen_q: int, causal: bool):
@@ -124,14 +129,39 @@ def _as_int(x):
     return int(x) if x is not None else None
 
 
-def _padded(q, k, v, mask, query_mask, options):
-    """A padded batch through the varlen kernels: each sequence's real keys (mask True) and real
-    queries (query_mask True), packed; rows of padding queries get 0."""
+# What a padded batch's mask gives the varlen call, by mask: transformers hands every layer the
+# same mask tensor, and each nonzero() (and the varlen checks' read of new lengths) waits for the
+# GPU, so each layer's call cost a synchronisation or more. An entry holds while it is the same
+# live tensor at the same version and address.
+_UNPADDINGS: dict = {}
+_UNPADDINGS_KEPT = 16
+
+
+def _unpadding(given, shape: tuple, mask, query_mask) -> tuple:
+    """(key rows, query rows, cu_seqlens_q, cu_seqlens_k) of the padded batch whose (bool, padded)
+    key mask and query mask come from the mask `given` at this (seqlen_q, seqlen_k, causal)."""
+    if torch.compiler.is_compiling():
+        return _rows_and_lengths(mask, query_mask)
+    key = (id(given), shape)
+    kept = _UNPADDINGS.get(key)
+    if kept is not None and kept[0]() is given and kept[1] == (given._version, given.data_ptr()):
+        return kept[2]
+    made = _rows_and_lengths(mask, query_mask)
+    workspace.keep_bounded(_UNPADDINGS, key, (weakref.ref(given), (given._version, given.data_ptr()), made),
+                           _UNPADDINGS_KEPT)
+    return made
+
+
+def _rows_and_lengths(mask, query_mask) -> tuple:
+    return (mask.reshape(-1).nonzero().reshape(-1), query_mask.reshape(-1).nonzero().reshape(-1),
+            _cumulative(query_mask.sum(dim=1)), _cumulative(mask.sum(dim=1)))
+
+
+def _padded(q, k, v, unpadding: tuple, options):
+    """A padded batch through the varlen kernels: each sequence's real keys and real queries
+    (`_unpadding`), packed; rows of padding queries get 0."""
     batch, seqlen_q = q.shape[:2]
-    key_rows = mask.reshape(-1).nonzero().reshape(-1)
-    query_rows = query_mask.reshape(-1).nonzero().reshape(-1)
-    cu_seqlens_k = _cumulative(mask.sum(dim=1))
-    cu_seqlens_q = _cumulative(query_mask.sum(dim=1))
+    key_rows, query_rows, cu_seqlens_q, cu_seqlens_k = unpadding
     packed = adapter.attention_varlen(
         q.reshape(batch * seqlen_q, *q.shape[2:])[query_rows], k.reshape(-1, *k.shape[2:])[key_rows],
         v.reshape(-1, *v.shape[2:])[key_rows], cu_seqlens_q, cu_seqlens_k, **options)
