@@ -13,7 +13,8 @@ The "train" lines time a training step, forward then `out.backward(dout)` (bfloa
 cupyflash.flash_attn.flash_attn_func, each the loop's wall time per step; and "python function",
 a torch.autograd.Function written in Python around torch's own FlashAttention-2 operators (as
 flash-attn's package is): what any adapter whose backward runs Python pays, on the same kernels
-as SDPA's.
+as SDPA's. The "jax jit" lines time a jitted causal forward at (4, 4096, 16, 128) bf16 through
+cupyflash.jax (a buffer callback) and through jax.nn.dot_product_attention's cuDNN backend.
 
 --fresh N: the calls go round N sets of arrays, and each call's results are kept until its set
 comes round again, as a model's layers keep theirs: every call then sees arrays at new addresses
@@ -93,6 +94,7 @@ def main(args):
         calls.update(_training_steps(torch))
     except ImportError:
         print("# torch not installed: no SDPA line")
+    calls.update(_jax_calls())
     if args.no_gc:
         gc.disable()
     for name, fn in calls.items():
@@ -103,6 +105,7 @@ def main(args):
         start = time.perf_counter()
         for _ in range(args.calls):
             fn()
+        getattr(fn, "finish", lambda: None)()  # (JAX dispatches asynchronously: its last result first)
         cupy.cuda.Device().synchronize()
         print(f"{name:42} {(time.perf_counter() - start) / args.calls * 1e6:7.1f} us per call")
         if args.profile and not name.startswith("torch"):
@@ -113,6 +116,41 @@ def main(args):
             print(text.getvalue())
     return 0
 
+
+
+def _jax_calls() -> dict:
+    """name -> a jitted causal forward at (4, 4096, 16, 128) bf16: cupyflash.jax.attention and
+    jax.nn.dot_product_attention's cuDNN implementation, the last call's result blocked on at the
+    loop's end (`finish`). Empty without JAX on a GPU."""
+    import os
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # (beside torch's and CuPy's pools)
+    try:
+        import jax
+
+        import cupyflash.jax
+    except ImportError:
+        print("# jax not installed: no JAX lines")
+        return {}
+    if jax.default_backend() != "gpu":
+        print("# jax has no GPU backend: no JAX lines")
+        return {}
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (4, 4096, 16, 128), jax.numpy.bfloat16) for key in keys)
+    ours = jax.jit(lambda q, k, v: cupyflash.jax.attention(q, k, v, causal=True))
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    error = float(jax.numpy.abs(ours(q, k, v).astype(float) - cudnn(q, k, v).astype(float)).max())
+    if not error <= 0.05:
+        raise RuntimeError(f"cupyflash.jax differs from cuDNN's attention by {error:.3g}")
+    kept = []
+
+    def call(fn):
+        def run():
+            kept[:] = [fn(q, k, v)]  # (one result alive, as the torch loops keep theirs)
+        run.finish = lambda: jax.block_until_ready(kept)
+        return run
+
+    return {"jax jit cudnn (4, 4096, 16, 128)": call(cudnn), "jax jit cupyflash (4, 4096, 16, 128)": call(ours)}
 
 
 def _training_steps(torch) -> dict:

@@ -30,7 +30,7 @@ from cupyflash.cpu import fallback
 from cupyflash.dispatch import plan as planner
 from cupyflash.frameworks import arrays as frameworks
 from cupyflash.problem import Options, lse_dtype
-from cupyflash.runtime import launch
+from cupyflash.runtime import launch, workspace
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -149,12 +149,14 @@ def _forward_call(p, q, k, v, slopes):
             numpy.asarray(out)[...] = o
             numpy.asarray(lse)[...] = l
             return
-        with _on_xla_stream(ctx, q):
-            arrays = [_as_cupy(x, d.dtype) for x, d in zip((q, k, v, out, lse), (*given, *result))]
-            if arrays[3].size:
-                launch.run(planner.plan_forward(run_p, *arrays))
+        device_id = _device_of(q)
+        with _on_xla_stream(ctx, device_id):
+            views = [_device_view(x, spec, device_id) for x, spec in zip((q, k, v, out, lse), specs)]
+            if views[3].size:
+                launch.run(planner.plan_forward(run_p, *views))
 
     given = (q, k, v)
+    specs = [_Spec(x) for x in (*given, *result)]
     return buffer_callback(run, result)(q, k, v, *([] if slopes is None else [slopes]))
 
 
@@ -180,11 +182,17 @@ def _backward_call(p, dout, q, k, v, slopes, out, lse):
             for g, value in zip(grads, values):
                 numpy.asarray(g)[...] = value
             return
-        with _on_xla_stream(ctx, q):
-            arrays = [_as_cupy(x, d.dtype) for x, d in zip((dout, q, k, v, out, lse, *grads), (*given, *result))]
-            common.backward_gpu(*arrays[:6], run_p, tuple(arrays[6:]))  # (empty problems: zeros, no launch)
+        device_id = _device_of(q)
+        buffers = (dout, q, k, v, out, lse, *grads)
+        with _on_xla_stream(ctx, device_id):
+            if specs[1].size and specs[2].size:
+                arrays = [_device_view(x, spec, device_id) for x, spec in zip(buffers, specs)]
+            else:  # an empty problem's gradients are zeroed, which takes CuPy arrays
+                arrays = [_as_cupy(x, spec.dtype) for x, spec in zip(buffers, specs)]
+            common.backward_gpu(*arrays[:6], run_p, tuple(arrays[6:]))
 
     given = (dout, q, k, v, out, lse)
+    specs = [_Spec(x) for x in (*given, *result)]
     return buffer_callback(run, result)(dout, q, k, v, out, lse, *([] if slopes is None else [slopes]))
 
 
@@ -275,14 +283,40 @@ def _on_gpu(buffer) -> bool:
     return True
 
 
-def _on_xla_stream(ctx, buffer):
+def _device_of(buffer) -> int:
     import cupy
 
-    device_id = cupy.cuda.runtime.pointerGetAttributes(buffer.__cuda_array_interface__["data"][0]).device
+    return cupy.cuda.runtime.pointerGetAttributes(buffer.__cuda_array_interface__["data"][0]).device
+
+
+# CuPy streams wrapping XLA's, by (device, stream handle): one per stream a process uses (making one
+# on every call cost microseconds of each callback).
+_STREAMS: dict = {}
+_STREAMS_KEPT = 64
+
+
+def _on_xla_stream(ctx, device_id: int):
+    """The device and XLA's stream of the callback as CuPy's current ones (so that a workspace
+    from CuPy's pool is reused in that stream's order)."""
+    import cupy
+
+    stream = _STREAMS.get((device_id, ctx.stream))
+    if stream is None:
+        with cupy.cuda.Device(device_id):
+            stream = frameworks.external_stream(ctx.stream, device_id)
+        workspace.keep_bounded(_STREAMS, (device_id, ctx.stream), stream, _STREAMS_KEPT)
     stack = contextlib.ExitStack()
     stack.enter_context(cupy.cuda.Device(device_id))
-    stack.enter_context(frameworks.external_stream(ctx.stream, device_id))
+    stack.enter_context(stream)
     return stack
+
+
+def _device_view(buffer, spec: _Spec, device_id: int) -> frameworks.DeviceView:
+    """An XLA device buffer (C-contiguous, of the call's spec: the interface spells bfloat16 as an
+    opaque void type) as the planner reads it: its address, shape, strides and dtype. A view takes
+    about a microsecond where a CuPy array of the buffer took several."""
+    return frameworks.DeviceView(buffer.__cuda_array_interface__["data"][0], spec.shape, spec.strides, spec.dtype,
+                                 device_id, buffer)
 
 
 def _as_cupy(buffer, dtype):
