@@ -135,6 +135,23 @@ def test_a_launch_record_writes_each_calls_pointers(rng, dtype, pointers):
     assert record.params(fields)[0].tolist() == params.image(dtype, fields)[0].tolist()
 
 
+def test_argument_addresses_are_the_bytes_the_driver_reads(monkeypatch):
+    """launch._address gives each argument's first byte: a struct through the uint64 image it views,
+    a pinned array from the kept entry (also once evicted, from the array itself), a new array
+    whose id an evicted one had from itself."""
+    monkeypatch.setattr(launch, "_PINNED", {})
+    monkeypatch.setattr(launch, "_PINNED_KEPT", 2)
+    record = params.LaunchRecord(FWD_PARAMS_DTYPE, dict.fromkeys(FWD_PARAMS_DTYPE.names, 0), ("q",))
+    struct = record.params({"q": 5})
+    assert launch._address(struct) == struct.ctypes.data
+    arrays = [launch.pinned(numpy.array(n, numpy.int32)) for n in range(3)]  # the first is dropped
+    assert len(launch._PINNED) == 2
+    for x in arrays:
+        assert launch._address(x) == x.ctypes.data
+    del arrays
+    assert all(launch._address(y) == y.ctypes.data for y in [numpy.array(n, numpy.int32) for n in range(8)])
+
+
 def test_a_launch_record_keeps_the_newest_tensor_maps(monkeypatch):
     """A record keeps the maps of _MAPS_KEPT pointer sets, dropping the oldest first (keep_bounded,
     as the problems' cache); a kept set's maps are not made again."""

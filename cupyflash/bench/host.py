@@ -42,6 +42,8 @@ def parser() -> arguments.Parser:
     ap.add_argument("--only", help="time (and profile) only the calls whose name contains this")
     ap.add_argument("--fresh", type=arguments.positive_int, default=1, metavar="N",
                     help="go round N sets of arrays, keeping each call's results until its set comes round")
+    ap.add_argument("--pieces", action="store_true",
+                    help="instead: the time of each piece of a prepared call, timed on its own (docs/performance.md)")
     return ap
 
 
@@ -52,6 +54,8 @@ def main(args):
     from cupyflash.validation import BFLOAT16
 
     print(f"# measured on {common.measured_on('kernels')}")
+    if args.pieces:
+        return _pieces(args.calls)
     rs = cupy.random.default_rng(0)
     sets = []
     for _ in range(args.fresh):
@@ -116,6 +120,101 @@ def main(args):
             print(text.getvalue())
     return 0
 
+
+
+def _timed(calls: int, fn) -> float:
+    """Host microseconds per call of fn: a loop of `calls`, synchronised once at its end."""
+    import cupy
+
+    fn()
+    cupy.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cupy.cuda.Device().synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _pieces(calls: int) -> int:
+    """Each piece of a prepared call timed on its own, beside the whole call: a CuPy forward at
+    (1, 128, 2, 128) bf16 and the torch adapter's training step at (1, 256, 8, 64) bf16 causal,
+    with SDPA's. The pieces' sum falls short of the whole by what is not listed (the call's own
+    lines, Python's calls between them)."""
+    import cupy
+
+    import cupyflash
+    from cupyflash.api import prepared
+    from cupyflash.api import common as calls_common
+    from cupyflash.problem import Options
+    from cupyflash.runtime import launch, workspace
+    from cupyflash.validation import BFLOAT16
+
+    rs = cupy.random.default_rng(0)
+    q, k, v = (rs.standard_normal((1, 128, 2, 128), dtype=numpy.float32).astype(BFLOAT16) for _ in range(3))
+    cupyflash.attention(q, k, v, return_lse=True)  # (prepares the signature)
+    options = Options(return_lse=True)
+    key = ("cupy forward", *map(prepared._signature, (q, k, v)), prepared.option_key(options, "forward"))
+    entry = prepared.lookup(key)
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    stream = workspace.cupy_stream()
+    pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr}
+    plan = entry.bind(dict(pointers), stream)
+    rows = [("CuPy forward, the whole call", lambda: cupyflash.attention(q, k, v, return_lse=True)),
+            ("  Options(...)", lambda: Options(return_lse=True)),
+            ("  signature (3 arrays, the options)", lambda: (
+                "cupy forward", *map(prepared._signature, (q, k, v)), prepared.option_key(options, "forward"))),
+            ("  lookup", lambda: prepared.lookup(key)),
+            ("  allocate out and lse", lambda: (calls_common.empty(entry.shapes[0], q.dtype),
+                                                calls_common.empty(entry.shapes[1], lse.dtype))),
+            ("  the stream", workspace.cupy_stream),
+            ("  bind (the struct, the tensor maps)", lambda: entry.bind(dict(pointers), stream)),
+            ("  launch", lambda: launch.run(plan, stream.ptr))]
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        rows += _torch_pieces(torch)
+    print(f"{'piece':48} {'us':>8}")
+    for name, fn in rows:
+        print(f"{name:48} {_timed(calls, fn):8.1f}")
+    return 0
+
+
+def _torch_pieces(torch) -> list:
+    """(name, call) of the torch adapter's training step and its pieces, and SDPA's."""
+    from cupyflash.frameworks import torch as adapter
+
+    q, k, v, dout = (torch.randn((1, 256, 8, 64), device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+    def step(forward):
+        def run():
+            for x in (qg, kg, vg):
+                x.grad = None
+            forward().backward(dout)
+        return run
+
+    ours = step(lambda: adapter.attention(qg, kg, vg, causal=True))
+    sdpa = step(lambda: torch.nn.functional.scaled_dot_product_attention(
+        qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=True).transpose(1, 2))
+    args = adapter._operator_args(q, k, v, True, None, None, None, None, 0.0, None, 0, False)
+    out, lse, rng_state = adapter._attention_forward(*args)
+    backward_args = (dout, q, k, v, out, lse, *args[3:10], 0.0, rng_state, False)
+    options = (True, None, False, None, None, None)
+    return [("torch training step (1, 256, 8, 64)", ours),
+            ("  forward, autograd.Function and operator", lambda: adapter.attention(qg, kg, vg, causal=True)),
+            ("  forward operator, no autograd", lambda: adapter._attention_forward(*args)),
+            ("  forward, prepared call", lambda: adapter._prepared_forward(q, k, v, options)),
+            ("  allocate out, lse and rng_state", lambda: (
+                adapter.empty(out.shape, out.dtype, out.device), adapter.empty(lse.shape, lse.dtype, lse.device),
+                q.new_empty((0,), dtype=torch.int64))),
+            ("  backward operator", lambda: adapter._attention_backward(*backward_args)),
+            ("  backward, prepared call", lambda: adapter._prepared_backward(dout, q, k, v, out, lse, (*options, False))),
+            ("  allocate dq, dk and dv", lambda: tuple(adapter.empty_like(x) for x in (q, k, v))),
+            ("SDPA training step (1, 256, 8, 64)", sdpa),
+            ("  SDPA forward", lambda: torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True))]
 
 
 def _jax_calls() -> dict:

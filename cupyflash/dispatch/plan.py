@@ -25,7 +25,7 @@ from cupyflash.catalog.tensor_cores import TcBwdDkdvKernel, WgmmaBwdDkdvKernel, 
 from cupyflash.dispatch import policy as policies
 from cupyflash.problem import AttentionProblem, lse_dtype
 from cupyflash.runtime import device as devices
-from cupyflash.runtime import params, tma, workspace
+from cupyflash.runtime import launch, params, tma, workspace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +252,7 @@ def _prepare_forward(p: AttentionProblem, device_id: int, policy: policies.Polic
         elif candidate.family == "sm90" and candidate.tma:  # the Hopper one-block kernel takes K's and V's maps
             binders.append(_kv_maps_forward_binder(p, candidate, record, kv_dims))
         else:
-            extra = (tma.NO_MAPS,) if candidate.family == "sm90" else ()
+            extra = (launch.pinned(tma.NO_MAPS),) if candidate.family == "sm90" else ()
             grid = candidate.grid(p.batch, p.heads, p.seqlen_q)
             binders.append(lambda pointers, stream, c=candidate, g=grid, e=extra: (
                 Launch(c, g, (record.params({**pointers, "query_tile_order": 0}), *e)),))
@@ -272,7 +272,7 @@ def _ws_forward_binder(p: AttentionProblem, kernel, record, kv_dims: tuple, devi
     its tensor maps)."""
     tile = kernel.tile
     order = _query_tile_order(p, kernel, device_id)
-    n_tiles = numpy.array(kernel.n_tiles(p.batch, p.heads, p.seqlen_q), numpy.int32)
+    n_tiles = launch.pinned(numpy.array(kernel.n_tiles(p.batch, p.heads, p.seqlen_q), numpy.int32))
     grid = kernel.grid(p.batch, p.heads, p.seqlen_q, sm_count=info.sm_count)
 
     def make(fields):
@@ -284,7 +284,7 @@ def _ws_forward_binder(p: AttentionProblem, kernel, record, kv_dims: tuple, devi
                                    pointers["q"], pointers["k"], pointers["v"], pointers["o"]), make, pointers)
         if maps is None:
             return None
-        claims = numpy.array(workspace.zeroed_counters(1, stream), numpy.uint64)
+        claims = _address_argument(workspace.zeroed_counters(1, stream))
         return (Launch(kernel, grid, (record.params({**pointers, "query_tile_order": order}), maps, n_tiles, claims)),)
 
     return bind
@@ -306,6 +306,19 @@ def _kv_maps_forward_binder(p: AttentionProblem, kernel, record, kv_dims: tuple)
         return (Launch(kernel, grid, (record.params({**pointers, "query_tile_order": 0}), maps)),)
 
     return bind
+
+
+def _address_argument(address: int) -> numpy.ndarray:
+    """A device address passed by value (a counters buffer's): one pinned array per address, as the
+    stream's buffers stay (workspace.zeroed)."""
+    argument = _ADDRESS_ARGUMENTS.get(address)
+    if argument is None:
+        argument = launch.pinned(numpy.array(address, numpy.uint64))
+        workspace.keep_bounded(_ADDRESS_ARGUMENTS, address, argument, 256)
+    return argument
+
+
+_ADDRESS_ARGUMENTS: dict = {}
 
 
 def _query_tile_order(p: AttentionProblem, kernel, device_id: int) -> int:
@@ -472,8 +485,9 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
         ring_elements = p.seqlen_q * ring * p.kv_group * p.head_dim  # (query, slot, head of the group, head dim)
         ring_kept = ring_elements * accum.itemsize <= policy.ring_kept_bytes
         n_counters = candidate.counters(kv_heads, p.batch)
-        order = numpy.array(0 if ring else _dkdv_item_order(p, candidate, device_id), numpy.uint64)
-        scalars = (numpy.array(positions, numpy.int32), numpy.array(positions * kv_heads * p.batch, numpy.int32))
+        order = launch.pinned(numpy.array(0 if ring else _dkdv_item_order(p, candidate, device_id), numpy.uint64))
+        scalars = tuple(launch.pinned(numpy.array(n, numpy.int32)) for n in (positions, positions * kv_heads * p.batch))
+        slots = launch.pinned(numpy.array(ring, numpy.int32))
 
         def bind(pointers, stream, owners):
             if not ring:
@@ -491,8 +505,8 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
             if kv_maps is None:
                 return None
             owners.append(owner)
-            counters = numpy.array(workspace.zeroed_counters(n_counters, stream), numpy.uint64)
-            return ring, (candidate, grid, (maps, kv_maps, *scalars, counters, numpy.array(ring, numpy.int32), order))
+            counters = _address_argument(workspace.zeroed_counters(n_counters, stream))
+            return ring, (candidate, grid, (maps, kv_maps, *scalars, counters, slots, order))
 
         return bind
 
@@ -505,7 +519,7 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
             if not p.deterministic:
                 owner, pointers["dq_accum"] = stream.empty(dq_shape, accum)
                 owners.append(owner)
-            extra = (tma.NO_BWD_MAPS,) if hopper else ()
+            extra = (launch.pinned(tma.NO_BWD_MAPS),) if hopper else ()
             if hopper and candidate.tma:
                 maps = query_maps(candidate, pointers) if not p.deterministic and p.cu_seqlens is None else None
                 if maps is None:

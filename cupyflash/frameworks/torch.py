@@ -250,7 +250,7 @@ def _torch_stream(index: int) -> workspace.Stream:
 def _prepared_forward(q, k, v, options: tuple):
     """out, lse of the dense forward operator through the signature's prepared call (made by this
     call if it is the first), or None where the tensors are not the kernels' to read in place."""
-    key = ("torch forward", *_signature(q), *_signature(k), *_signature(v), options)
+    key = ("torch forward", _signature(q) + _signature(k) + _signature(v), options)
     entry = prepared.lookup(key)
     if entry is None:
         if not _on_gpu(q, k, v):
@@ -284,7 +284,8 @@ def _prepared_backward(dout, q, k, v, out, lse, options: tuple):
     if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
         dout = dout.contiguous()
     tensors = (dout, q, k, v, out, lse)
-    key = ("torch backward", *(part for x in tensors for part in _signature(x)), options)
+    key = ("torch backward", _signature(dout) + _signature(q) + _signature(k) + _signature(v) + _signature(out)
+           + _signature(lse), options)
     entry = prepared.lookup(key)
     grads = None
     if entry is None:

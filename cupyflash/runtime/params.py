@@ -12,6 +12,7 @@ import numpy
 
 from cupyflash.cpu import philox
 from cupyflash.problem import AttentionProblem, lse_dtype
+from cupyflash.runtime import launch
 from cupyflash.runtime.workspace import keep_bounded
 
 LOG2E = math.log2(math.e)  # log2(e): the kernels' scores are in base 2
@@ -159,5 +160,7 @@ class LaunchRecord:
         if maps is not self:
             return maps
         maps = make({**self.fields, **pointers})
+        if isinstance(maps, numpy.ndarray):  # (None: the driver declined them)
+            maps = launch.pinned(maps)
         keep_bounded(self.maps, key, maps, self.MAPS_KEPT)  # (a model of more layers: the oldest go)
         return maps
