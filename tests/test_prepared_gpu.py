@@ -101,3 +101,25 @@ def test_torch_operators_share_the_cache(rng):
     assert len(prepared.PREPARED) == 3
     got = adapter.attention(strided, k.detach(), v.detach(), causal=True)
     assert_matches_reference(strided, k, v, got, None, "float16", True)
+
+
+def test_torch_varlen_calls_are_prepared_by_their_lengths(rng):
+    """A packed batch's calls with the same lengths launch from one prepared call (its lengths'
+    values are part of the signature); other lengths prepare another. Both match the full path."""
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as adapter
+
+    q, k, v = (torch.randn(203, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    firsts = []
+    for lengths in ([0, 17, 130, 203], [0, 17, 130, 203], [0, 100, 203]):
+        cu = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        out = adapter.attention_varlen(q, k, v, cu, cu, causal=True, deterministic=True)
+        out.backward(torch.ones_like(out))
+        firsts.append((out.detach().clone(), q.grad.clone()))
+        q.grad = k.grad = v.grad = None
+    kinds = sorted(key[0] for key in prepared.PREPARED)
+    assert kinds == ["torch varlen backward"] * 2 + ["torch varlen forward"] * 2
+    for a, b in zip(firsts[0], firsts[1]):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    full = cupyflash.attention_varlen(q.detach(), k.detach(), v.detach(), cu, cu, causal=True)
+    assert torch.equal(firsts[2][0].view(torch.int16), full.view(torch.int16))

@@ -64,6 +64,13 @@ class DeviceView:
         self.size = math.prod(shape)
         self.device = _device(device_id)
 
+    def __getitem__(self, key):
+        """x[None], the one indexing the shared checks do (a packed array seen as a batch of one)."""
+        if key is not None:
+            raise TypeError(f"only x[None] is supported, got {key!r}")
+        return DeviceView(self.data.ptr, (1, *self.shape), (max(self.size, 1) * self.dtype.itemsize, *self.strides),
+                          self.dtype, self.device.id, self.owner)
+
 
 class _Address:
     __slots__ = ("ptr",)

@@ -25,6 +25,7 @@ from typing import Optional
 import numpy
 import torch
 
+from cupyflash import validation
 from cupyflash.api import common, decode, prepared, varlen
 from cupyflash.dispatch import plan as planner
 from cupyflash.dispatch import policy as policies
@@ -250,17 +251,97 @@ def _torch_stream(index: int) -> workspace.Stream:
 def _prepared_forward(q, k, v, options: tuple):
     """out, lse of the dense forward operator through the signature's prepared call (made by this
     call if it is the first), or None where the tensors are not the kernels' to read in place."""
-    key = ("torch forward", _signature(q) + _signature(k) + _signature(v), options)
+    causal, scale, windowed, left, right, softcap = options
+
+    def check(arrays, origins):
+        return common.checked_problem("forward", arrays, origins, Options(
+            causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap, return_lse=True))
+
+    return _prepared_forward_call(("torch forward", _signature(q) + _signature(k) + _signature(v), options),
+                                  q, k, v, check)
+
+
+def _prepared_backward(dout, q, k, v, out, lse, options: tuple):
+    """dq, dk, dv of the dense backward operator through the signature's prepared call, as
+    `_prepared_forward`."""
+    if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
+        dout = dout.contiguous()
+    causal, scale, windowed, left, right, softcap, deterministic = options
+
+    def check(arrays, origins):
+        return common.checked_problem("backward", arrays, origins, Options(
+            causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap,
+            deterministic=deterministic))
+
+    key = ("torch backward", _signature(dout) + _signature(q) + _signature(k) + _signature(v) + _signature(out)
+           + _signature(lse), options)
+    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check)
+
+
+def _prepared_varlen_forward(q, k, v, lengths: tuple, options: dict):
+    """out, lse of a varlen forward without ALiBi slopes or dropout through its signature's prepared
+    call, the lengths' values (host copies) part of the signature; None where it takes the generic
+    path."""
+    key = _varlen_key("torch varlen forward", (q, k, v), lengths, options, ())
+    if key is None:
+        return None
+    cu_q, cu_k, max_q, max_k = lengths
+
+    def check(arrays, origins):
+        return validation.check_varlen_args(
+            *arrays.values(), cu_q, cu_k, max_q, max_k, causal=options["causal"], scale=options["scale"],
+            return_lse=True, window=options["window"], softcap=options["softcap"])
+
+    return _prepared_forward_call(key, q, k, v, check)
+
+
+def _prepared_varlen_backward(dout, q, k, v, out, lse, lengths: tuple, options: dict):
+    """dq, dk, dv of a varlen backward through its signature's prepared call, as
+    `_prepared_varlen_forward`."""
+    key = _varlen_key("torch varlen backward", (dout, q, k, v, out, lse), lengths, options,
+                      (options["deterministic"],))
+    if key is None:
+        return None
+    cu_q, cu_k, max_q, max_k = lengths
+
+    def check(arrays, origins):
+        return validation.check_varlen_backward_args(
+            *arrays.values(), cu_q, cu_k, max_q, max_k, causal=options["causal"], scale=options["scale"],
+            deterministic=options["deterministic"], window=options["window"], softcap=options["softcap"])
+
+    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check)
+
+
+def _varlen_key(kind: str, tensors: tuple, lengths: tuple, options: dict, more: tuple):
+    """A varlen call's signature: its tensors', its host lengths' dtypes and values, max_seqlen,
+    and its options with their types; None for a call the prepared calls do not take (ALiBi,
+    dropout, lengths that are not host arrays, unhashable options)."""
+    cu_q, cu_k, max_q, max_k = lengths
+    if not (options["alibi_slopes"] is None and type(options["dropout_p"]) is float and options["dropout_p"] == 0.0
+            and options["seed"] is None and type(options["offset"]) is int and options["offset"] == 0
+            and type(cu_q) is numpy.ndarray and type(cu_k) is numpy.ndarray
+            and all(m is None or _is_int(m) for m in (max_q, max_k))):
+        return None
+    try:
+        flags = common.option_key((options["causal"], options["scale"], options["window"], options["softcap"], *more))
+    except TypeError:
+        return None
+    signature = ()
+    for x in tensors:
+        signature += _signature(x)
+    return (kind, signature, cu_q.dtype.str, cu_q.tobytes(), cu_k.dtype.str, cu_k.tobytes(), max_q, max_k, flags)
+
+
+def _prepared_forward_call(key, q, k, v, check):
+    """out, lse through the prepared call of `key`, made on a miss from check(arrays, origins) ->
+    the checked problem; None where the tensors are not the kernels' to read in place."""
     entry = prepared.lookup(key)
     if entry is None:
         if not _on_gpu(q, k, v):
             return None
-        causal, scale, windowed, left, right, softcap = options
         with _TorchStream(q):  # (the checks, and what the first plan uploads, on torch's stream)
             arrays, origins = common.ingest({"q": _view(q), "k": _view(k), "v": _view(v)})
-            p = common.checked_problem("forward", arrays, origins, Options(
-                causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap,
-                return_lse=True))
+            p = check(arrays, origins)
             shapes = common.forward_shapes(p)
             out, lse = empty(shapes[0], q.dtype, q.device), empty(shapes[1], _LSE_DTYPES[lse_dtype(p.dtype_name)], q.device)
             bind = planner.prepare_forward(p, *arrays.values(), _view(out), _view(lse), policies.current())
@@ -278,28 +359,21 @@ def _prepared_forward(q, k, v, options: tuple):
     return out, lse
 
 
-def _prepared_backward(dout, q, k, v, out, lse, options: tuple):
-    """dq, dk, dv of the dense backward operator through the signature's prepared call, as
-    `_prepared_forward`."""
-    if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
-        dout = dout.contiguous()
-    tensors = (dout, q, k, v, out, lse)
-    key = ("torch backward", _signature(dout) + _signature(q) + _signature(k) + _signature(v) + _signature(out)
-           + _signature(lse), options)
+def _prepared_backward_call(key, tensors: tuple, check):
+    """dq, dk, dv through the prepared call of `key`, as `_prepared_forward_call`; tensors: dout,
+    q, k, v, out, lse."""
+    dout, q, k, v, out, lse = tensors
     entry = prepared.lookup(key)
     grads = None
     if entry is None:
         if not _on_gpu(*tensors):
             return None
-        causal, scale, windowed, left, right, softcap, deterministic = options
         with _TorchStream(q):
             arrays, origins = common.ingest(dict(zip(common.BACKWARD_ARRAYS, map(_view, tensors))))
-            p = common.checked_problem("backward", arrays, origins, Options(
-                causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap,
-                deterministic=deterministic))
-            grads = tuple(empty_like(x) for x in (q, k, v))
+            p = check(arrays, origins)
             if p.batch == 0 or p.heads == 0:
                 return None
+            grads = tuple(empty_like(x) for x in (q, k, v))
             bind = planner.prepare_backward(p, *arrays.values(), *map(_view, grads), policies.current())
         entry = prepared.PreparedCall(p, bind, policies.current(), None)
         prepared.keep(key, entry)
@@ -605,6 +679,15 @@ def _host_lengths(x):
     return host
 
 
+_VARLEN_DEFAULTS = dict(causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None,
+                       offset=0, deterministic=False)
+
+
+def _all_varlen_options(options: dict) -> dict:
+    """A varlen call's options with the defaults of those it left out."""
+    return {**_VARLEN_DEFAULTS, **options}
+
+
 def _varlen_lengths(lengths: tuple) -> tuple:
     """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the cu_seqlens that are
     integer tensors as their kept host copies (others go as given: the checks name them)."""
@@ -614,6 +697,10 @@ def _varlen_lengths(lengths: tuple) -> tuple:
 
 def _varlen_forward(q, k, v, cu_seqlens, options: dict) -> tuple:
     cu_seqlens = _varlen_lengths(cu_seqlens)
+    if all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        results = _prepared_varlen_forward(q, k, v, cu_seqlens, _all_varlen_options(options))
+        if results is not None:
+            return results
     q, k, v = (x.detach() for x in (q, k, v))
     if isinstance(options.get("alibi_slopes"), torch.Tensor):
         options = dict(options, alibi_slopes=options["alibi_slopes"].detach())
@@ -623,10 +710,14 @@ def _varlen_forward(q, k, v, cu_seqlens, options: dict) -> tuple:
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens, options: dict) -> tuple:
     cu_seqlens = _varlen_lengths(cu_seqlens)
-    inputs = (q, k, v)
-    q, k, v, out, lse, dout = (x.detach() for x in (q, k, v, out, lse, dout))
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    if all(isinstance(x, torch.Tensor) for x in (q, k, v, out, lse)):
+        grads = _prepared_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, _all_varlen_options(options))
+        if grads is not None:
+            return grads
+    inputs = (q, k, v)
+    q, k, v, out, lse, dout = (x.detach() for x in (q, k, v, out, lse, dout))
     with _on_torch_stream(q):
         grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, *cu_seqlens, **options)
     return _laid_out_like(tuple(map(_as_torch, grads)), inputs)
