@@ -5,9 +5,13 @@ tensor map cannot be made, all resolved before any launch.
 `decide_forward` / `decide_backward` are pure: from the problem, a DeviceInfo, a Policy and the
 arrays' layout (strides and alignment) they return a Decision that lists every kernel family in
 order of preference with the reason it was taken or not (what `cupyflash.explain` prints).
-`plan_forward` / `plan_backward` turn a decision into launches on real arrays: they allocate the
-workspaces, build the parameter images and tensor maps (taking the next family where the driver
-declines a map), and return a Plan that runtime.launch.run queues as it is.
+`prepare_forward` / `prepare_backward` turn a decision into a bind for arrays of one layout: all
+that does not depend on the arrays' addresses (the parameter struct's other fields, grids, static
+arguments) made once; bind(pointers, stream) allocates the workspaces on the stream, writes the
+addresses, picks the tensor maps made for them (taking the next family where the driver declines
+a map) and returns a Plan that runtime.launch.run queues as it is. `plan_forward` /
+`plan_backward` are prepare-then-bind on real arrays; api/prepared.py keeps a bind per call
+signature.
 """
 
 from __future__ import annotations
