@@ -123,3 +123,21 @@ def test_torch_varlen_calls_are_prepared_by_their_lengths(rng):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     full = cupyflash.attention_varlen(q.detach(), k.detach(), v.detach(), cu, cu, causal=True)
     assert torch.equal(firsts[2][0].view(torch.int16), full.view(torch.int16))
+
+
+def test_torch_dropout_calls_are_prepared_with_their_own_seeds(rng):
+    """Dropout's probability is part of the signature, its seed and offset each call's own: one
+    prepared call serves them all, the same seed and offset give the same output, others another,
+    each equal to the full path's bit for bit."""
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as adapter
+
+    q, k, v = (torch.randn(2, 113, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    outs = [adapter.attention(q, k, v, causal=True, dropout_p=0.2, seed=seed, offset=offset)
+            for seed, offset in ((1, 0), (1, 0), (2, 0), (1, 4))]
+    assert [key[0] for key in prepared.PREPARED] == ["torch forward"]
+    bits = [x.view(torch.int16) for x in outs]
+    assert torch.equal(bits[0], bits[1]) and not torch.equal(bits[0], bits[2]) and not torch.equal(bits[0], bits[3])
+    for out, (seed, offset) in zip(outs[2:], ((2, 0), (1, 4))):
+        full = cupyflash.attention(q, k, v, causal=True, dropout_p=0.2, seed=seed, offset=offset)
+        assert torch.equal(out.view(torch.int16), full.view(torch.int16))

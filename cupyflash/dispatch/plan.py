@@ -208,8 +208,19 @@ def plan_forward(p: AttentionProblem, q, k, v, out, lse, policy: policies.Policy
     the driver makes; or `kernel` (any forward instantiation, for tests and tuning). On `stream`
     (default: CuPy's current stream)."""
     bind = prepare_forward(p, q, k, v, out, lse, policy or policies.current(), kernel)
-    pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr}
+    pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr,
+                **dropout_values(p)}
     return bind(pointers, stream or workspace.cupy_stream())
+
+
+def dropout_values(p: AttentionProblem) -> dict:
+    """The per-call values a bind of a problem with dropout takes beside the pointers: its seed and
+    offset (which change from call to call; the rest of dropout is in the struct)."""
+    return {"dropout_seed": p.seed, "dropout_offset": p.offset} if p.dropout else {}
+
+
+_SEED = {False: (), True: ("dropout_seed",)}  # the 8-byte and the 4-byte per-call fields, by p.dropout
+_OFFSET = {False: (), True: ("dropout_offset",)}
 
 
 def _memoisable(p: AttentionProblem) -> bool:
@@ -247,7 +258,8 @@ def _prepare_forward(p: AttentionProblem, device_id: int, policy: policies.Polic
     # keep_alive: the ALiBi slopes and sequence lengths the struct points to, until the launch is queued
     keep_alive = params.problem_fields(fields, p, device_id)
     record = params.LaunchRecord(structs.FWD_PARAMS_DTYPE, {**fields, "query_tile_order": 0},
-                                 ("q", "k", "v", "o", "lse", "query_tile_order"))
+                                 ("q", "k", "v", "o", "lse", "query_tile_order", *_SEED[p.dropout]),
+                                 _OFFSET[p.dropout])
     kv_dims = (p.batch, p.seqlen_k, p.heads // p.kv_group)
     binders = []
     for candidate in ((kernel,) if kernel is not None else decision.kernels):
@@ -420,7 +432,7 @@ def plan_backward(p: AttentionProblem, dout, q, k, v, out, lse, dq, dk, dv, poli
         return Plan(None, q.device.id, [], ())
     bind = prepare_backward(p, dout, q, k, v, out, lse, dq, dk, dv, policy or policies.current(), kernel)
     named = zip(BACKWARD_POINTERS, (q, k, v, out, dout, dq, dk, dv, lse))
-    return bind({name: x.data.ptr for name, x in named}, stream or workspace.cupy_stream())
+    return bind({**{name: x.data.ptr for name, x in named}, **dropout_values(p)}, stream or workspace.cupy_stream())
 
 
 BACKWARD_POINTERS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse")  # the call's arrays, as bind takes them
@@ -463,7 +475,9 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
     fields.update(lse=lse.data.ptr, lse_log2=0, d=0, dq_accum=0)
     # keep_alive: the ALiBi slopes and sequence lengths the struct points to, until the launches are queued
     keep_alive = params.problem_fields(fields, p, device_id)
-    record = params.LaunchRecord(structs.BWD_PARAMS_DTYPE, fields, (*BACKWARD_POINTERS, "lse_log2", "d", "dq_accum"))
+    record = params.LaunchRecord(structs.BWD_PARAMS_DTYPE, fields,
+                                 (*BACKWARD_POINTERS, "lse_log2", "d", "dq_accum", *_SEED[p.dropout]),
+                                 _OFFSET[p.dropout])
     rows = p.heads * p.total_q  # row statistics, as row_statistics_strides
     stats_offset = -(-rows * accum.itemsize // 256) * 256 // accum.itemsize
     preprocess = bwd_row_kernel("preprocess", p.dtype_name, p.seqlen_q)

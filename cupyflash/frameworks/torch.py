@@ -249,34 +249,53 @@ def _torch_stream(index: int) -> workspace.Stream:
     return workspace.Stream(ptr, index, capturing, *_allocators(index))
 
 
-def _prepared_forward(q, k, v, options: tuple):
+def _prepared_forward(q, k, v, options: tuple, seed, offset):
     """out, lse of the dense forward operator through the signature's prepared call (made by this
-    call if it is the first), or None where the tensors are not the kernels' to read in place."""
-    causal, scale, windowed, left, right, softcap = options
+    call if it is the first), or None where the tensors are not the kernels' to read in place (or
+    dropout's seed or offset is out of range: the checks name it). Dropout's probability is part of
+    the signature, its seed and offset the call's own."""
+    causal, scale, windowed, left, right, softcap, dropout_p = options
+    values = _dropout_values(dropout_p, seed, offset)
+    if values is None:
+        return None
 
     def check(arrays, origins):
         return common.checked_problem("forward", arrays, origins, Options(
-            causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap, return_lse=True))
+            causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap, return_lse=True,
+            dropout_p=dropout_p, seed=seed, offset=offset))
 
     return _prepared_forward_call(("torch forward", _signature(q) + _signature(k) + _signature(v), options),
-                                  q, k, v, check)
+                                  q, k, v, check, values)
 
 
-def _prepared_backward(dout, q, k, v, out, lse, options: tuple):
+def _dropout_values(dropout_p, seed, offset):
+    """The seed and offset a prepared bind writes (none without dropout), or None where they are out
+    of the kernels' range (the full path's checks then say so)."""
+    if not dropout_p > 0:
+        return {}
+    if not (0 <= seed < 2**64 and 0 <= offset < 2**32):
+        return None
+    return {"dropout_seed": seed, "dropout_offset": offset}
+
+
+def _prepared_backward(dout, q, k, v, out, lse, options: tuple, seed, offset):
     """dq, dk, dv of the dense backward operator through the signature's prepared call, as
     `_prepared_forward`."""
     if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
         dout = dout.contiguous()
-    causal, scale, windowed, left, right, softcap, deterministic = options
+    causal, scale, windowed, left, right, softcap, deterministic, dropout_p = options
+    values = _dropout_values(dropout_p, seed, offset)
+    if values is None:
+        return None
 
     def check(arrays, origins):
         return common.checked_problem("backward", arrays, origins, Options(
             causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap,
-            deterministic=deterministic))
+            deterministic=deterministic, dropout_p=dropout_p, seed=seed, offset=offset))
 
     key = ("torch backward", _signature(dout) + _signature(q) + _signature(k) + _signature(v) + _signature(out)
            + _signature(lse), options)
-    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check)
+    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check, values)
 
 
 def _prepared_varlen_forward(q, k, v, lengths: tuple, options: dict):
@@ -284,16 +303,18 @@ def _prepared_varlen_forward(q, k, v, lengths: tuple, options: dict):
     call, the lengths' values (host copies) part of the signature; None where it takes the generic
     path."""
     key = _varlen_key("torch varlen forward", (q, k, v), lengths, options, ())
-    if key is None:
+    values = None if key is None else _dropout_values(options["dropout_p"], options["seed"], options["offset"])
+    if values is None:
         return None
     cu_q, cu_k, max_q, max_k = lengths
 
     def check(arrays, origins):
-        return validation.check_varlen_args(
+        p = validation.check_varlen_args(
             *arrays.values(), cu_q, cu_k, max_q, max_k, causal=options["causal"], scale=options["scale"],
             return_lse=True, window=options["window"], softcap=options["softcap"])
+        return validation.check_dropout(options["dropout_p"], options["seed"], options["offset"], p)
 
-    return _prepared_forward_call(key, q, k, v, check)
+    return _prepared_forward_call(key, q, k, v, check, values)
 
 
 def _prepared_varlen_backward(dout, q, k, v, out, lse, lengths: tuple, options: dict):
@@ -301,30 +322,35 @@ def _prepared_varlen_backward(dout, q, k, v, out, lse, lengths: tuple, options: 
     `_prepared_varlen_forward`."""
     key = _varlen_key("torch varlen backward", (dout, q, k, v, out, lse), lengths, options,
                       (options["deterministic"],))
-    if key is None:
+    values = None if key is None else _dropout_values(options["dropout_p"], options["seed"], options["offset"])
+    if values is None:
         return None
     cu_q, cu_k, max_q, max_k = lengths
 
     def check(arrays, origins):
-        return validation.check_varlen_backward_args(
+        p = validation.check_varlen_backward_args(
             *arrays.values(), cu_q, cu_k, max_q, max_k, causal=options["causal"], scale=options["scale"],
             deterministic=options["deterministic"], window=options["window"], softcap=options["softcap"])
+        return validation.check_dropout(options["dropout_p"], options["seed"], options["offset"], p)
 
-    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check)
+    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check, values)
 
 
 def _varlen_key(kind: str, tensors: tuple, lengths: tuple, options: dict, more: tuple):
     """A varlen call's signature: its tensors', its host lengths' dtypes and values, max_seqlen,
-    and its options with their types; None for a call the prepared calls do not take (ALiBi,
-    dropout, lengths that are not host arrays, unhashable options)."""
+    and its options with their types (dropout's probability; its seed and offset are the call's
+    own); None for a call the prepared calls do not take (ALiBi, lengths that are not host arrays,
+    options of other types: the checks name them)."""
     cu_q, cu_k, max_q, max_k = lengths
-    if not (options["alibi_slopes"] is None and type(options["dropout_p"]) is float and options["dropout_p"] == 0.0
-            and options["seed"] is None and type(options["offset"]) is int and options["offset"] == 0
+    dropout_p, seed, offset = options["dropout_p"], options["seed"], options["offset"]
+    if not (options["alibi_slopes"] is None and type(dropout_p) is float and 0.0 <= dropout_p < 1.0
+            and (seed is None if dropout_p == 0.0 else _is_int(seed)) and _is_int(offset)
             and type(cu_q) is numpy.ndarray and type(cu_k) is numpy.ndarray
             and all(m is None or _is_int(m) for m in (max_q, max_k))):
         return None
     try:
-        flags = common.option_key((options["causal"], options["scale"], options["window"], options["softcap"], *more))
+        flags = common.option_key((options["causal"], options["scale"], options["window"], options["softcap"],
+                                   dropout_p, *more))
     except TypeError:
         return None
     signature = ()
@@ -333,7 +359,7 @@ def _varlen_key(kind: str, tensors: tuple, lengths: tuple, options: dict, more: 
     return (kind, signature, cu_q.dtype.str, cu_q.tobytes(), cu_k.dtype.str, cu_k.tobytes(), max_q, max_k, flags)
 
 
-def _prepared_forward_call(key, q, k, v, check):
+def _prepared_forward_call(key, q, k, v, check, values: dict):
     """out, lse through the prepared call of `key`, made on a miss from check(arrays, origins) ->
     the checked problem; None where the tensors are not the kernels' to read in place."""
     entry = prepared.lookup(key)
@@ -355,12 +381,12 @@ def _prepared_forward_call(key, q, k, v, check):
     with prepared.on_device(index):
         stream = _torch_stream(index)
         pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr(),
-                    "lse": lse.data_ptr()}
+                    "lse": lse.data_ptr(), **values}
         launch.run(entry.bind(pointers, stream), stream.ptr)
     return out, lse
 
 
-def _prepared_backward_call(key, tensors: tuple, check):
+def _prepared_backward_call(key, tensors: tuple, check, values: dict):
     """dq, dk, dv through the prepared call of `key`, as `_prepared_forward_call`; tensors: dout,
     q, k, v, out, lse."""
     dout, q, k, v, out, lse = tensors
@@ -384,7 +410,7 @@ def _prepared_backward_call(key, tensors: tuple, check):
     with prepared.on_device(index):
         stream = _torch_stream(index)
         named = zip(planner.BACKWARD_POINTERS, (q, k, v, out, dout, *grads, lse))
-        launch.run(entry.bind({name: x.data_ptr() for name, x in named}, stream), stream.ptr)
+        launch.run(entry.bind({**{name: x.data_ptr() for name, x in named}, **values}, stream), stream.ptr)
     return grads
 
 
@@ -515,11 +541,12 @@ def _attention_forward(
     window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
     alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int], offset: int, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if alibi_slopes is None and dropout_p == 0.0 and q.is_cuda:
-        results = _prepared_forward(q, k, v, (causal, scale, windowed, window_left, window_right, softcap))
+    seed, offset = dropout_seed(dropout_p, seed, offset, q)
+    if alibi_slopes is None and q.is_cuda:
+        results = _prepared_forward(q, k, v, (causal, scale, windowed, window_left, window_right, softcap, dropout_p),
+                                    seed, offset)
         if results is not None:
             return (*results, _rng_state(q, dropout_p, seed, offset))
-    seed, offset = dropout_seed(dropout_p, seed, offset, q)
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                                 seed, offset, deterministic)
     return (*_forward(q, k, v, options), _rng_state(q, dropout_p, seed, offset))
@@ -558,12 +585,12 @@ def _attention_backward(
     softcap: Optional[float], alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng_state: torch.Tensor,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if alibi_slopes is None and dropout_p == 0.0 and q.is_cuda:
-        grads = _prepared_backward(dout, q, k, v, out, lse,
-                                   (causal, scale, windowed, window_left, window_right, softcap, deterministic))
+    seed, offset = _drawn(dropout_p, rng_state)
+    if alibi_slopes is None and q.is_cuda:
+        grads = _prepared_backward(dout, q, k, v, out, lse, (causal, scale, windowed, window_left, window_right,
+                                                             softcap, deterministic, dropout_p), seed, offset)
         if grads is not None:
             return grads
-    seed, offset = _drawn(dropout_p, rng_state)
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                                 seed, offset, deterministic)
     return _backward(dout, q, k, v, out, lse, options)

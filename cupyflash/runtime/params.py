@@ -131,27 +131,34 @@ def image(dtype: numpy.dtype, fields: dict) -> numpy.ndarray:
 
 
 class LaunchRecord:
-    """A launch's parameter struct with every field but its array pointers filled in, from which
-    each call's struct is a copy with the call's pointers written in; and the tensor maps made for
-    the pointers seen lately (a map holds its array's address)."""
+    """A launch's parameter struct with every field but its array pointers (and the per-call
+    values named with them: dropout's seed and offset) filled in, from which each call's struct is
+    a copy with the call's values written in; and the tensor maps made for the pointers seen lately
+    (a map holds its array's address)."""
 
     # A model's layers share one problem and call it with their own arrays, at addresses that the
     # memory pools give back step after step: 8 kept sets were rebuilt on every call of a loop over
     # 16 array sets (+17-19 us a forward call on an H200's host).
     MAPS_KEPT = 64
 
-    def __init__(self, dtype: numpy.dtype, fields: dict, pointer_names: tuple):
+    def __init__(self, dtype: numpy.dtype, fields: dict, pointer_names: tuple, word_names: tuple = ()):
         self.dtype = dtype
         self.fields = fields  # pointers as given at first: the map makers take theirs from `pointers`
         self.image = image(dtype, fields).view(numpy.uint64)  # the structs are 8-byte multiples; pointers 8-aligned
         self.slots = tuple((name, dtype.fields[name][1] // 8) for name in pointer_names)
+        # 4-byte fields a call writes too (dropout's offset), by their index in 32-bit words
+        self.words = tuple((name, dtype.fields[name][1] // 4) for name in word_names)
         self.maps: dict = {}
 
     def params(self, pointers: dict) -> numpy.ndarray:
-        """The struct (a one-element record of `dtype`) with these pointers."""
+        """The struct (a one-element record of `dtype`) with these pointers (and 4-byte fields)."""
         out = self.image.copy()
         for name, slot in self.slots:
             out[slot] = pointers[name]
+        if self.words:
+            words = out.view(numpy.uint32)
+            for name, slot in self.words:
+                words[slot] = pointers[name]
         return out.view(self.dtype)
 
     def tensor_maps(self, key: tuple, make, pointers: dict):
