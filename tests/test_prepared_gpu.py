@@ -141,3 +141,27 @@ def test_torch_dropout_calls_are_prepared_with_their_own_seeds(rng):
     for out, (seed, offset) in zip(outs[2:], ((2, 0), (1, 4))):
         full = cupyflash.attention(q, k, v, causal=True, dropout_p=0.2, seed=seed, offset=offset)
         assert torch.equal(out.view(torch.int16), full.view(torch.int16))
+
+
+def test_torch_decoding_steps_are_prepared(rng):
+    """The decode operator's steps with GPU lengths launch from one prepared call, which appends the
+    new keys as the full path does, and match it bit for bit; new lengths' values need no new one."""
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as adapter
+
+    def caches():
+        generator = torch.Generator(device="cuda").manual_seed(5)
+        return [torch.randn((3, 1024, 2, 128), device="cuda", dtype=torch.bfloat16, generator=generator)
+                for _ in range(2)]
+
+    q, k_new, v_new = (torch.randn(s, device="cuda", dtype=torch.bfloat16)
+                       for s in ((3, 1, 8, 128), (3, 1, 2, 128), (3, 1, 2, 128)))
+    ours, theirs = caches(), caches()
+    for lengths in ([1000, 17, 512], [1001, 18, 513]):
+        cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        got = adapter.attention_decode(q, *ours, cache_seqlens, k_new=k_new, v_new=v_new, causal=True)
+        want = cupyflash.attention_decode(q, *theirs, cache_seqlens, k_new=k_new, v_new=v_new, causal=True)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert [key[0] for key in prepared.PREPARED] == ["torch decode"]
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # the appends

@@ -175,10 +175,13 @@ def test_cross_attention_of_an_encoder_decoder(rng, calls, decoder_length):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("padding", ["left", "none"])
-def test_greedy_generation_equals_sdpa(rng, calls, cache, padding):
+def test_greedy_generation_equals_sdpa(rng, calls, cache, padding, monkeypatch):
     """Greedy tokens equal float64 SDPA's. Without padding every step after the prompt (and, with
     a static cache, the prompt too: its keys are the cache's first rows) takes the decode kernels;
-    left-padded steps take varlen."""
+    left-padded steps take varlen. A step's mask is read once, not once a layer."""
+    prefixes = []
+    prefix_lengths = adapter._prefix_lengths
+    monkeypatch.setattr(adapter, "_prefix_lengths", lambda mask: prefixes.append(1) or prefix_lengths(mask))
     torch.manual_seed(int(rng.integers(2**31)))
     built = models(llama())
     ids = torch.randint(0, 97, (2, 12))
@@ -192,6 +195,7 @@ def test_greedy_generation_equals_sdpa(rng, calls, cache, padding):
                                                 pad_token_id=0, cache_implementation=cache)
     assert torch.equal(tokens["ours"], tokens["exact"])
     steps = 8 * 2  # (tokens x layers)
+    assert len(prefixes) <= 8
     if padding == "none":
         assert calls.count("decode") >= steps - 2
     else:

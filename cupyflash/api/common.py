@@ -174,9 +174,10 @@ def forward_shapes(p: AttentionProblem) -> tuple:
     return (p.batch, p.seqlen_q, p.heads, p.head_dim), (p.batch, p.heads, p.seqlen_q)
 
 
-def forward_gpu(q, k, v, p: AttentionProblem, out=None, lse=None):
+def forward_gpu(q, k, v, p: AttentionProblem, out=None, lse=None, stream: workspace.Stream | None = None):
     """out, lse of the checked problem on q's GPU (CuPy arrays), written into `out` and `lse` where
-    given (of `forward_shapes`, any strides: the adapters' own tensors)."""
+    given (of `forward_shapes`, any strides: the adapters' own tensors), on `stream` (default:
+    CuPy's current stream)."""
     import cupy
 
     with cupy.cuda.Device(q.device.id):
@@ -185,7 +186,7 @@ def forward_gpu(q, k, v, p: AttentionProblem, out=None, lse=None):
             out, lse = empty(out_shape, q.dtype), empty(lse_shape, lse_dtype(p.dtype_name))
         if out.size == 0:
             return out, lse
-        stream = workspace.cupy_stream()
+        stream = stream or workspace.cupy_stream()
         if not p.return_lse:
             workspace.keep_if_captured(stream, lse)  # (a graph's replays write it)
         launch.run(planner.plan_forward(p, q, k, v, out, lse, stream=stream), stream.ptr)
@@ -206,9 +207,10 @@ def backward(arrays: dict, origins: dict, p: AttentionProblem) -> tuple:
     return tuple(frameworks.export(g, origins["q"]) for g in grads)
 
 
-def backward_gpu(dout, q, k, v, out, lse, p: AttentionProblem, grads=None):
+def backward_gpu(dout, q, k, v, out, lse, p: AttentionProblem, grads=None, stream: workspace.Stream | None = None):
     """dq, dk, dv of the checked problem on q's GPU (CuPy arrays), written into `grads` where given
-    (arrays of q's, k's and v's shapes, any strides; with seqlens_k, zeroed by the caller)."""
+    (arrays of q's, k's and v's shapes, any strides; with seqlens_k, zeroed by the caller), its
+    workspaces from `stream` (default: CuPy's current stream)."""
     import cupy
 
     with cupy.cuda.Device(q.device.id):
@@ -222,7 +224,8 @@ def backward_gpu(dout, q, k, v, out, lse, p: AttentionProblem, grads=None):
             for g in (dq, dk, dv):
                 g.fill(0)
         else:
-            launch.run(planner.plan_backward(p, dout, q, k, v, out, lse, dq, dk, dv))
+            stream = stream or workspace.cupy_stream()
+            launch.run(planner.plan_backward(p, dout, q, k, v, out, lse, dq, dk, dv, stream=stream), stream.ptr)
     return dq, dk, dv
 
 

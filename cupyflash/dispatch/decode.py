@@ -86,8 +86,24 @@ def plan_decode(d: DecodeProblem, q, k, v, k_new, v_new, lengths, out, lse, poli
     """The launches of a decoding step on these (validated) arrays, its workspaces allocated on
     `stream` (default: CuPy's current stream); `kernel` overrides the decode kernel (for tests and
     tuning)."""
-    stream = stream or workspace.cupy_stream()
-    policy = policy or policies.current()
+    bind = prepare_decode(d, q, k, v, k_new, v_new, lengths, out, lse, policy or policies.current(), kernel)
+    return bind(decode_pointers(q, k, v, k_new, v_new, lengths, out, lse), stream or workspace.cupy_stream())
+
+
+DECODE_POINTERS = ("q", "k", "v", "k_new", "v_new", "o", "lse", "cache_seqlens")  # as bind takes them
+
+
+def decode_pointers(q, k, v, k_new, v_new, lengths, out, lse) -> dict:
+    """The addresses of a step's arrays (0 for those it has not), by DECODE_POINTERS' names."""
+    return {name: 0 if x is None else x.data.ptr
+            for name, x in zip(DECODE_POINTERS, (q, k, v, k_new, v_new, out, lse, lengths))}
+
+
+def prepare_decode(d: DecodeProblem, q, k, v, k_new, v_new, lengths, out, lse, policy: policies.Policy, kernel=None):
+    """A decoding step of arrays laid out as these made ready, as dispatch/plan.py's prepare_forward
+    makes the forward: bind(pointers, stream) -> Plan allocates the splits' workspace on the stream
+    and writes the addresses; the kernel, the split, the struct's other fields and the grids are
+    decided here once."""
     p = d.attention
     device_id = q.device.id
     kernel = kernel or decode_kernel(d, devices.info(device_id), policy)
@@ -102,17 +118,6 @@ def plan_decode(d: DecodeProblem, q, k, v, k_new, v_new, lengths, out, lse, poli
         else:
             params.pointer_and_strides(fields, name, x)
     fields["o_partial"] = fields["lse_partial"] = fields["split_counters"] = 0
-    keep_alive = []
-    if splits > 1 and out.size:
-        # o_partial [splits, batch, heads, seqlen_q, padded head_dim], then lse_partial: one allocation
-        partial_rows = splits * p.batch * p.heads * p.seqlen_q
-        accum = lse_dtype(p.dtype_name)
-        partial, fields["o_partial"] = stream.empty(partial_rows * (kernel.head_dim + 1), accum)
-        fields["lse_partial"] = fields["o_partial"] + partial_rows * kernel.head_dim * accum.itemsize
-        # Counters of the splits done per row group (decode_combine_splits), left zeroed.
-        fields["split_counters"] = workspace.zeroed_counters(p.batch * heads_kv * row_blocks, stream)
-        workspace.keep_if_captured(stream, partial)
-        keep_alive.append(partial)
     left, right = p.band
     fields.update(
         batch=p.batch, heads=p.heads, kv_group=p.kv_group, seqlen_q=p.seqlen_q, cache_len=p.seqlen_k,
@@ -123,12 +128,29 @@ def plan_decode(d: DecodeProblem, q, k, v, k_new, v_new, lengths, out, lse, poli
         scale_log2=p.scale * params.LOG2E,
         softcap_log2=0.0 if p.softcap is None else p.softcap * params.LOG2E,
     )
-    keep_alive.append(params.slopes_fields(fields, p))
-    image = params.image(structs.DECODE_PARAMS_DTYPE, fields)
-
+    slopes = params.slopes_fields(fields, p)  # (alive as long as this bind)
+    record = params.LaunchRecord(structs.DECODE_PARAMS_DTYPE, fields,
+                                 (*DECODE_POINTERS, "o_partial", "lse_partial", "split_counters"))
+    split = splits > 1 and out.size
+    # o_partial [splits, batch, heads, seqlen_q, padded head_dim], then lse_partial: one allocation
+    partial_rows = splits * p.batch * p.heads * p.seqlen_q
+    accum = lse_dtype(p.dtype_name)
     launches = []
     if d.seqlen_new and p.batch and heads_kv:
-        launches.append(Launch(DecodeAppendKernel(p.dtype_name), (d.seqlen_new, heads_kv, p.batch), (image,)))
+        launches.append((DecodeAppendKernel(p.dtype_name), (d.seqlen_new, heads_kv, p.batch)))
     if out.size:
-        launches.append(Launch(kernel, (row_blocks * splits * heads_kv, p.batch, 1), (image,)))
-    return Plan(None, device_id, launches, tuple(keep_alive))
+        launches.append((kernel, (row_blocks * splits * heads_kv, p.batch, 1)))
+
+    def bind(pointers: dict, stream: workspace.Stream) -> Plan:
+        partial = None
+        pointers["o_partial"] = pointers["lse_partial"] = pointers["split_counters"] = 0
+        if split:
+            partial, pointers["o_partial"] = stream.empty(partial_rows * (kernel.head_dim + 1), accum)
+            pointers["lse_partial"] = pointers["o_partial"] + partial_rows * kernel.head_dim * accum.itemsize
+            # Counters of the splits done per row group (decode_combine_splits), left zeroed.
+            pointers["split_counters"] = workspace.zeroed_counters(p.batch * heads_kv * row_blocks, stream)
+            workspace.keep_if_captured(stream, partial)
+        image = record.params(pointers)
+        return Plan(None, device_id, [Launch(k_, grid, (image,)) for k_, grid in launches], (slopes, partial))
+
+    return bind

@@ -27,6 +27,7 @@ import torch
 
 from cupyflash import validation
 from cupyflash.api import common, decode, prepared, varlen
+from cupyflash.dispatch import decode as decode_planner
 from cupyflash.dispatch import plan as planner
 from cupyflash.dispatch import policy as policies
 from cupyflash.frameworks import arrays as frameworks
@@ -424,7 +425,8 @@ def _forward(q, k, v, options: Options) -> tuple:
             out_shape, lse_shape = common.forward_shapes(p)
             out = empty(out_shape, q.dtype, q.device)
             lse = empty(lse_shape, _LSE_DTYPES[lse_dtype(p.dtype_name)], q.device)
-            common.forward_gpu(*arrays.values(), p, _view(out), _view(lse))
+            # (workspaces from torch's allocator: a CUDA-graph capture takes them from its pool)
+            common.forward_gpu(*arrays.values(), p, _view(out), _view(lse), _torch_stream(q.get_device()))
         return out, lse
     # DLPack refuses tensors that require grad; the kernels only read them.
     given = dict(zip(("q", "k", "v"), (x.detach() if isinstance(x, torch.Tensor) else x for x in (q, k, v))))
@@ -445,7 +447,7 @@ def _backward(dout, q, k, v, out, lse, options: Options) -> tuple:
             if p.seqlens_k is not None:  # padding keys are no block's to write: their gradient is 0
                 grads[1].zero_()
                 grads[2].zero_()
-            common.backward_gpu(*arrays.values(), p, tuple(map(_view, grads)))
+            common.backward_gpu(*arrays.values(), p, tuple(map(_view, grads)), _torch_stream(q.get_device()))
         return grads
     given = dict(zip(common.BACKWARD_ARRAYS, (x.detach() for x in (dout, q, k, v, out, lse))))
     with _on_torch_stream(q):
@@ -864,12 +866,61 @@ def attention_decode(
     return (out, lse) if return_lse else out
 
 
+def _prepared_decode(q, k_cache, v_cache, lengths, k_new, v_new, options: tuple):
+    """out, lse of a decoding step through its signature's prepared call, or None where the step
+    takes decode.attention_decode (host lengths, whose values are checked; tensors the kernels do
+    not read in place; bad arguments, which its checks name). GPU lengths are used as given."""
+    signature = _signature(q) + _signature(k_cache) + _signature(v_cache)
+    for x in (lengths, k_new, v_new):
+        signature += (None,) if x is None else _signature(x)
+    key = ("torch decode", signature, options)
+    entry = prepared.lookup(key)
+    if entry is None:
+        tensors = [x for x in (q, k_cache, v_cache, k_new, v_new) if x is not None]
+        if not (_on_gpu(*tensors) and len({x.get_device() for x in tensors}) == 1 and (lengths is None or (
+                lengths.is_cuda and lengths.dtype == torch.int32 and lengths.dim() == 1 and lengths.is_contiguous()
+                and lengths.get_device() == q.get_device()))):
+            return None
+        causal, scale, windowed, left, right, softcap, num_splits = options
+        views = [None if x is None else _view(x) for x in (q, k_cache, v_cache, k_new, v_new)]
+        try:  # (host lengths of the same shape stand in for the GPU ones, whose values are never read)
+            d = validation.check_decode_args(
+                *views[:3], None if lengths is None else numpy.zeros(lengths.shape[0], numpy.int32), *views[3:],
+                causal=causal, scale=scale, return_lse=True, window=(left, right) if windowed else None,
+                num_splits=num_splits, softcap=softcap)
+        except (TypeError, ValueError):
+            return None
+        p = d.attention
+        shapes = ((p.batch, p.seqlen_q, p.heads, p.head_dim), (p.batch, p.heads, p.seqlen_q),
+                  _LSE_DTYPES[lse_dtype(p.dtype_name)])
+        out, lse = empty(shapes[0], q.dtype, q.device), empty(shapes[1], shapes[2], q.device)
+        with _TorchStream(q):
+            bind = decode_planner.prepare_decode(d, *views[:3], *views[3:], None if lengths is None else _view(lengths),
+                                                 _view(out), _view(lse), policies.current())
+        entry = prepared.PreparedCall(d, bind, policies.current(), shapes)
+        prepared.keep(key, entry)
+    else:
+        out, lse = empty(entry.shapes[0], q.dtype, q.device), empty(entry.shapes[1], entry.shapes[2], q.device)
+    index = q.get_device()
+    with prepared.on_device(index):
+        stream = _torch_stream(index)
+        pointers = {name: 0 if x is None else x.data_ptr() for name, x in
+                    zip(decode_planner.DECODE_POINTERS, (q, k_cache, v_cache, k_new, v_new, out, lse, lengths))}
+        launch.run(entry.bind(pointers, stream), stream.ptr)
+    return out, lse
+
+
 def _attention_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],
     k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], causal: bool, scale: Optional[float], windowed: bool,
     window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
     alibi_slopes: Optional[torch.Tensor], num_splits: Optional[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if alibi_slopes is None and q.is_cuda:
+        results = _prepared_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                   (causal, scale, windowed, window_left, window_right, softcap, num_splits))
+        if results is not None:
+            return results
     with _on_torch_stream(q):
         out, lse = decode.attention_decode(
             q, k_cache, v_cache, cache_seqlens, k_new=k_new, v_new=v_new, causal=causal,

@@ -68,7 +68,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         if attention_mask.shape[1] < k.shape[1]:  # a static cache: the mask covers its filled rows
             attention_mask = torch.nn.functional.pad(attention_mask, (0, k.shape[1] - attention_mask.shape[1]))
     if _decoding(q, k, v, dropout):
-        lengths = None if attention_mask is None else _prefix_lengths(attention_mask)
+        lengths = None if attention_mask is None else _of_mask(
+            given_mask, ("prefix", k.shape[1]), lambda: _prefix_lengths(attention_mask))
         if attention_mask is None or lengths is not None:
             del options["dropout_p"]
             return adapter.attention_decode(q, k, v, lengths, **options), None
@@ -129,10 +130,11 @@ def _as_int(x):
     return int(x) if x is not None else None
 
 
-# What a padded batch's mask gives the varlen call, by mask: transformers hands every layer the
-# same mask tensor, and each nonzero() (and the varlen checks' read of new lengths) waits for the
-# GPU, so each layer's call cost a synchronisation or more. An entry holds while it is the same
-# live tensor at the same version and address.
+# What a padded batch's mask gives the varlen call (or a generation step's the decode call), by
+# mask: transformers hands every layer the same mask tensor, and each nonzero() or torch.equal (and
+# the varlen checks' read of new lengths) waits for the GPU, so each layer's call cost a
+# synchronisation or more. An entry holds while it is the same live tensor at the same version and
+# address.
 _UNPADDINGS: dict = {}
 _UNPADDINGS_KEPT = 16
 
@@ -140,14 +142,19 @@ _UNPADDINGS_KEPT = 16
 def _unpadding(given, shape: tuple, mask, query_mask) -> tuple:
     """(key rows, query rows, cu_seqlens_q, cu_seqlens_k) of the padded batch whose (bool, padded)
     key mask and query mask come from the mask `given` at this (seqlen_q, seqlen_k, causal)."""
+    return _of_mask(given, ("unpadding", shape), lambda: _rows_and_lengths(mask, query_mask))
+
+
+def _of_mask(given, key: tuple, make):
+    """make(), kept by the mask `given` (and key) while it is the same live tensor at the same
+    version and address; not under torch.compile, which traces make() itself."""
     if torch.compiler.is_compiling():
-        return _rows_and_lengths(mask, query_mask)
-    key = (id(given), shape)
-    kept = _UNPADDINGS.get(key)
+        return make()
+    kept = _UNPADDINGS.get((id(given), key))
     if kept is not None and kept[0]() is given and kept[1] == (given._version, given.data_ptr()):
         return kept[2]
-    made = _rows_and_lengths(mask, query_mask)
-    workspace.keep_bounded(_UNPADDINGS, key, (weakref.ref(given), (given._version, given.data_ptr()), made),
+    made = make()
+    workspace.keep_bounded(_UNPADDINGS, (id(given), key), (weakref.ref(given), (given._version, given.data_ptr()), made),
                            _UNPADDINGS_KEPT)
     return made
 
