@@ -60,7 +60,7 @@ def test_a_full_cache_drops_its_oldest(rng, monkeypatch):
     for scale in (0.1, 0.2, 0.3):
         check(q, k, v, cupyflash.attention(q, k, v, scale=scale), scale=scale)
     assert len(prepared.PREPARED) == 2
-    assert [key[-1][1] for key in prepared.PREPARED] == [(float, 0.2), (float, 0.3)]
+    assert [key[-1][2:4] for key in prepared.PREPARED] == [(float, 0.2), (float, 0.3)]  # (type, scale)
 
 
 def test_bad_input_is_refused_after_its_good_twin_was_prepared(rng):

@@ -129,7 +129,9 @@ def attention(
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
-    return prepared.forward_call(
+    if prepared.plain(alibi_slopes, seqlens_k, dropout_p, seed, offset):  # (a loop's usual call: api/prepared.py)
+        return prepared.forward_call(q, k, v, causal, scale, window, softcap, return_lse)
+    return common.forward_call(
         {"q": q, "k": k, "v": v},
         Options(causal=causal, scale=scale, return_lse=return_lse, window=window, softcap=softcap,
                 alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, offset=offset))
@@ -236,7 +238,9 @@ def attention_backward(
     >>> dq.shape, dk.dtype
     ((1, 5, 2, 16), dtype('float32'))
     """
-    return prepared.backward_call(
+    if prepared.plain(alibi_slopes, seqlens_k, dropout_p, seed, offset):
+        return prepared.backward_call(dout, q, k, v, out, lse, causal, scale, window, softcap, deterministic)
+    return common.backward_call(
         {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse},
         Options(causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap,
                 alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, offset=offset))

@@ -51,28 +51,24 @@ def keep(key, entry: PreparedCall) -> None:
     workspace.keep_bounded(PREPARED, key, entry, PREPARED_KEPT)
 
 
-def plain(o: Options) -> bool:
-    """Whether a call's options leave its launches the same from call to call: no ALiBi slopes, key
-    lengths, block mask or dropout (a float 0.0, no seed, offset 0, as the defaults are)."""
-    return (o.alibi_slopes is None and o.seqlens_k is None and o.block_mask is None and type(o.dropout_p) is float
-            and o.dropout_p == 0.0 and o.seed is None and type(o.offset) is int and o.offset == 0)
+def plain(alibi_slopes, seqlens_k, dropout_p, seed, offset) -> bool:
+    """Whether a call's launches are the same from call to call: no ALiBi slopes, key lengths or
+    dropout (a float 0.0, no seed, offset 0, as the defaults are)."""
+    return (alibi_slopes is None and seqlens_k is None and type(dropout_p) is float and dropout_p == 0.0
+            and seed is None and type(offset) is int and offset == 0)
 
 
-def option_key(o: Options, direction: str) -> tuple:
-    """The options that a plain call's checks read, with their types; TypeError where unhashable."""
-    flag = o.return_lse if direction == "forward" else o.deterministic
-    return common.option_key((o.causal, o.scale, o.window, o.softcap, flag))
+def flags_key(causal, scale, window, softcap, flag) -> tuple:
+    """A plain call's options as its signature holds them: with their types (causal=1 is refused
+    where True is not; scale=True where 1.0 is not)."""
+    return (type(causal), causal, type(scale), scale, None if window is None else common.option_key(window),
+            type(softcap), softcap, type(flag), flag)
 
 
 def _signature(x) -> tuple:
     """A CuPy array's part of a call's signature."""
     memory = x.data
     return x.shape, x.strides, x.dtype, memory.device_id, memory.ptr % 16 == 0
-
-
-def _cupy_arrays(arrays) -> bool:
-    ndarray = frameworks.cupy_ndarray_type()
-    return ndarray is not None and all(type(x) is ndarray for x in arrays)
 
 
 def on_device(device_id: int):
@@ -85,32 +81,39 @@ def on_device(device_id: int):
     return cupy.cuda.Device(device_id)
 
 
-def forward_call(given: dict, options: Options):
-    """`common.forward_call`, through the prepared call of the signature where the arrays are CuPy
-    arrays and the options plain."""
-    arrays = tuple(given[name] for name in common.FORWARD_ARRAYS)
-    if not (_cupy_arrays(arrays) and plain(options)):
-        return common.forward_call(given, options)
-    try:
-        key = ("cupy forward", *map(_signature, arrays), option_key(options, "forward"))
-    except TypeError:  # an unhashable option: the checks name it
-        return common.forward_call(given, options)
-    q, k, v = arrays
+def forward_call(q, k, v, causal, scale, window, softcap, return_lse):
+    """`cupyflash.attention`'s plain call (`plain`): through the prepared call of its signature
+    where q, k and v are CuPy arrays, else `common.forward_call`."""
+    ndarray = frameworks.cupy_ndarray_type()
+    if ndarray is not None and type(q) is ndarray and type(k) is ndarray and type(v) is ndarray:
+        try:
+            key = ("cupy forward", _signature(q) + _signature(k) + _signature(v),
+                   flags_key(causal, scale, window, softcap, return_lse))
+            entry = lookup(key)
+        except TypeError:  # an unhashable option: the checks name it
+            key = None
+        if key is not None:
+            return _forward(key, entry, q, k, v, lambda: Options(
+                causal=causal, scale=scale, return_lse=return_lse, window=window, softcap=softcap))
+    return common.forward_call({"q": q, "k": k, "v": v}, Options(
+        causal=causal, scale=scale, return_lse=return_lse, window=window, softcap=softcap))
+
+
+def _forward(key, entry, q, k, v, options):
     with on_device(q.data.device_id):
-        entry = lookup(key)
         if entry is None:
+            given = {"q": q, "k": k, "v": v}
             ingested, origins = common.ingest(given)
-            p = common.checked_problem("forward", ingested, origins, options)
+            p = common.checked_problem("forward", ingested, origins, options())
             if q.size == 0:  # nothing to launch
                 return common.forward(ingested, origins, p)
             shapes = common.forward_shapes(p)
             out, lse = common.empty(shapes[0], q.dtype), common.empty(shapes[1], lse_dtype(p.dtype_name))
             bind = planner.prepare_forward(p, q, k, v, out, lse, policies.current())
-            entry = PreparedCall(p, bind, policies.current(), shapes)
+            entry = PreparedCall(p, bind, policies.current(), (*shapes, lse.dtype))
             keep(key, entry)
         else:
-            out = common.empty(entry.shapes[0], q.dtype)
-            lse = common.empty(entry.shapes[1], lse_dtype(entry.problem.dtype_name))
+            out, lse = common.empty(entry.shapes[0], q.dtype), common.empty(entry.shapes[1], entry.shapes[2])
         stream = workspace.cupy_stream()
         if not entry.problem.return_lse:
             workspace.keep_if_captured(stream, lse)  # (a graph's replays write it)
@@ -119,21 +122,30 @@ def forward_call(given: dict, options: Options):
     return (out, lse) if entry.problem.return_lse else out
 
 
-def backward_call(given: dict, options: Options) -> tuple:
-    """`common.backward_call`, through the prepared call of the signature as `forward_call`."""
-    arrays = tuple(given[name] for name in common.BACKWARD_ARRAYS)
-    if not (_cupy_arrays(arrays) and plain(options)):
-        return common.backward_call(given, options)
-    try:
-        key = ("cupy backward", *map(_signature, arrays), option_key(options, "backward"))
-    except TypeError:
-        return common.backward_call(given, options)
+def backward_call(dout, q, k, v, out, lse, causal, scale, window, softcap, deterministic) -> tuple:
+    """`cupyflash.attention_backward`'s plain call, as `forward_call`."""
+    arrays = (dout, q, k, v, out, lse)
+    ndarray = frameworks.cupy_ndarray_type()
+    if ndarray is not None and all(type(x) is ndarray for x in arrays):
+        try:
+            key = ("cupy backward", _signature(dout) + _signature(q) + _signature(k) + _signature(v)
+                   + _signature(out) + _signature(lse), flags_key(causal, scale, window, softcap, deterministic))
+            entry = lookup(key)
+        except TypeError:
+            key = None
+        if key is not None:
+            return _backward(key, entry, arrays, lambda: Options(
+                causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap))
+    return common.backward_call(dict(zip(common.BACKWARD_ARRAYS, arrays)), Options(
+        causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap))
+
+
+def _backward(key, entry, arrays: tuple, options) -> tuple:
     dout, q, k, v, out, lse = arrays
     with on_device(q.data.device_id):
-        entry = lookup(key)
         if entry is None:
-            ingested, origins = common.ingest(given)
-            p = common.checked_problem("backward", ingested, origins, options)
+            ingested, origins = common.ingest(dict(zip(common.BACKWARD_ARRAYS, arrays)))
+            p = common.checked_problem("backward", ingested, origins, options())
             if q.size == 0 or k.size == 0 or p.batch == 0 or p.heads == 0:  # no launch: the full path's zeros
                 return common.backward(ingested, origins, p)
             grads = tuple(common.empty(x.shape, x.dtype) for x in (q, k, v))
@@ -141,7 +153,7 @@ def backward_call(given: dict, options: Options) -> tuple:
             entry = PreparedCall(p, bind, policies.current(), None)
             keep(key, entry)
         else:
-            grads = tuple(common.empty(x.shape, x.dtype) for x in (q, k, v))
+            grads = (common.empty(q.shape, q.dtype), common.empty(k.shape, k.dtype), common.empty(v.shape, v.dtype))
         named = zip(planner.BACKWARD_POINTERS, (q, k, v, out, dout, *grads, lse))
         stream = workspace.cupy_stream()
         launch.run(entry.bind({name: x.data.ptr for name, x in named}, stream), stream.ptr)

@@ -145,27 +145,29 @@ def _pieces(calls: int) -> int:
     import cupyflash
     from cupyflash.api import prepared
     from cupyflash.api import common as calls_common
-    from cupyflash.problem import Options
     from cupyflash.runtime import launch, workspace
     from cupyflash.validation import BFLOAT16
 
     rs = cupy.random.default_rng(0)
     q, k, v = (rs.standard_normal((1, 128, 2, 128), dtype=numpy.float32).astype(BFLOAT16) for _ in range(3))
     cupyflash.attention(q, k, v, return_lse=True)  # (prepares the signature)
-    options = Options(return_lse=True)
-    key = ("cupy forward", *map(prepared._signature, (q, k, v)), prepared.option_key(options, "forward"))
+    flags = (False, None, None, None, True)  # causal, scale, window, softcap, return_lse
+
+    def signature():
+        return ("cupy forward", prepared._signature(q) + prepared._signature(k) + prepared._signature(v),
+                prepared.flags_key(*flags))
+
+    key = signature()
     entry = prepared.lookup(key)
     out, lse = cupyflash.attention(q, k, v, return_lse=True)
     stream = workspace.cupy_stream()
     pointers = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr}
     plan = entry.bind(dict(pointers), stream)
     rows = [("CuPy forward, the whole call", lambda: cupyflash.attention(q, k, v, return_lse=True)),
-            ("  Options(...)", lambda: Options(return_lse=True)),
-            ("  signature (3 arrays, the options)", lambda: (
-                "cupy forward", *map(prepared._signature, (q, k, v)), prepared.option_key(options, "forward"))),
+            ("  signature (3 arrays, the options)", signature),
             ("  lookup", lambda: prepared.lookup(key)),
             ("  allocate out and lse", lambda: (calls_common.empty(entry.shapes[0], q.dtype),
-                                                calls_common.empty(entry.shapes[1], lse.dtype))),
+                                                calls_common.empty(entry.shapes[1], entry.shapes[2]))),
             ("  the stream", workspace.cupy_stream),
             ("  bind (the struct, the tensor maps)", lambda: entry.bind(dict(pointers), stream)),
             ("  launch", lambda: launch.run(plan, stream.ptr))]
