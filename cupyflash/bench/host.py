@@ -13,8 +13,10 @@ The "train" lines time a training step, forward then `out.backward(dout)` (bfloa
 cupyflash.flash_attn.flash_attn_func, each the loop's wall time per step; and "python function",
 a torch.autograd.Function written in Python around torch's own FlashAttention-2 operators (as
 flash-attn's package is): what any adapter whose backward runs Python pays, on the same kernels
-as SDPA's. The "jax jit" lines time a jitted causal forward at (4, 4096, 16, 128) bf16 through
-cupyflash.jax (a buffer callback) and through jax.nn.dot_product_attention's cuDNN backend.
+as SDPA's; the "graph" lines replay a CUDA graph of the step (SDPA's and cupyflash.torch's),
+captured in torch's default mode. The "jax jit" lines time a jitted causal forward at
+(4, 4096, 16, 128) bf16 through cupyflash.jax (a buffer callback) and through
+jax.nn.dot_product_attention's cuDNN backend.
 
 --fresh N: the calls go round N sets of arrays, and each call's results are kept until its set
 comes round again, as a model's layers keep theirs: every call then sees arrays at new addresses
@@ -103,6 +105,9 @@ def main(args):
         gc.disable()
     for name, fn in calls.items():
         if args.only and args.only not in name:
+            continue
+        if getattr(fn, "failure", None):  # (a CUDA-graph capture that failed: said, the other lines go on)
+            print(f"{name:42} {fn.failure}")
             continue
         fn()
         cupy.cuda.Device().synchronize()
@@ -207,12 +212,13 @@ def _torch_pieces(torch) -> list:
     return [("torch training step (1, 256, 8, 64)", ours),
             ("  forward, autograd.Function and operator", lambda: adapter.attention(qg, kg, vg, causal=True)),
             ("  forward operator, no autograd", lambda: adapter._attention_forward(*args)),
-            ("  forward, prepared call", lambda: adapter._prepared_forward(q, k, v, options)),
+            ("  forward, prepared call", lambda: adapter._prepared_forward(q, k, v, (*options, 0.0), None, 0)),
             ("  allocate out, lse and rng_state", lambda: (
                 adapter.empty(out.shape, out.dtype, out.device), adapter.empty(lse.shape, lse.dtype, lse.device),
                 q.new_empty((0,), dtype=torch.int64))),
             ("  backward operator", lambda: adapter._attention_backward(*backward_args)),
-            ("  backward, prepared call", lambda: adapter._prepared_backward(dout, q, k, v, out, lse, (*options, False))),
+            ("  backward, prepared call", lambda: adapter._prepared_backward(
+                dout, q, k, v, out, lse, (*options, False, 0.0), None, 0)),
             ("  allocate dq, dk and dv", lambda: tuple(adapter.empty_like(x) for x in (q, k, v))),
             ("SDPA training step (1, 256, 8, 64)", sdpa),
             ("  SDPA forward", lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -278,7 +284,38 @@ def _training_steps(torch) -> dict:
                     x.grad = None
                 forward().backward(dout)
             steps[f"train {method} {shape}"] = step
+        for method in ("sdpa", "cupyflash.torch"):
+            steps[f"train {method} graph {shape}"] = _graphed(torch, forwards[method], (q, k, v), dout)
     return steps
+
+
+def _graphed(torch, forward, inputs: tuple, dout):
+    """A training step (forward().backward(dout)) captured into a CUDA graph in torch's default
+    (global) capture mode, after warm-up steps on a side stream (torch's recipe), as a call that
+    replays it; where the capture fails, a call whose `failure` says why (the loop prints it)."""
+    def step():
+        forward().backward(dout)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for x in inputs:
+                x.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for x in inputs:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError as e:
+        def failed():
+            raise RuntimeError(failed.failure)
+        failed.failure = f"CUDA-graph capture failed: {e}"
+        return failed
+    return graph.replay
 
 
 def _check_gradients(torch, forwards: dict, inputs: tuple, dout) -> None:
