@@ -8,6 +8,7 @@ import numpy
 import pytest
 
 import cupyflash
+from cupyflash.bench.host import captured
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -17,30 +18,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 
-def captured(step, inputs):
-    """step() captured into a graph (torch.cuda.graph's default mode) after two warm-up calls on a
-    side stream, torch's recipe; the inputs' gradients are None at the capture, so the graph's
-    backward writes them. Returns (graph, the step's outputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for x in inputs:
-                x.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for x in inputs:
-        x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-    return graph, outputs
-
-
 def assert_replay_equals_eager(step, inputs, others=()):
     """Captures step, replays it on fresh values of inputs (and of `others`, tensors it reads
     without gradient), and compares every output with an eager step on the same values."""
-    graph, static = captured(step, inputs)
+    graph, static = captured(torch, step, inputs)
     with torch.no_grad():
         for x in (*inputs, *others):
             x.copy_(torch.randn_like(x))

@@ -289,17 +289,15 @@ def _training_steps(torch) -> dict:
     return steps
 
 
-def _graphed(torch, forward, inputs: tuple, dout):
-    """A training step (forward().backward(dout)) captured into a CUDA graph in torch's default
-    (global) capture mode, after warm-up steps on a side stream (torch's recipe), as a call that
-    replays it; where the capture fails, a call whose `failure` says why (the loop prints it)."""
-    def step():
-        forward().backward(dout)
-
+def captured(torch, step, inputs: tuple):
+    """(graph, step()'s outputs): step captured into a CUDA graph by torch.cuda.graph (its default,
+    global, capture mode) after two warm-up calls on a side stream, torch's recipe; the inputs'
+    gradients are None at the capture, so the graph's backward writes them. Raises the capture's
+    error. (tests/test_torch_graphs_gpu.py captures the same way.)"""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(2):
             for x in inputs:
                 x.grad = None
             step()
@@ -307,9 +305,19 @@ def _graphed(torch, forward, inputs: tuple, dout):
     for x in inputs:
         x.grad = None
     graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
+def _graphed(torch, forward, inputs: tuple, dout):
+    """A training step (forward().backward(dout)) as a call that replays its CUDA graph
+    (`captured`); where the capture fails, a call whose `failure` says why (the loop prints it)."""
+    def step():
+        forward().backward(dout)
+
     try:
-        with torch.cuda.graph(graph):
-            step()
+        graph, _ = captured(torch, step, inputs)
     except RuntimeError as e:
         def failed():
             raise RuntimeError(failed.failure)
