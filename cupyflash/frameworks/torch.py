@@ -201,12 +201,13 @@ _LSE_DTYPES = {numpy.dtype(numpy.float32): torch.float32, numpy.dtype(numpy.floa
 
 # --------------------------------------------------------------------------- prepared calls
 #
-# The dense and varlen operators' CUDA calls without ALiBi slopes or dropout go through
+# The dense, varlen and decode operators' CUDA calls without ALiBi slopes go through
 # api/prepared.py's cache of prepared calls, keyed by each tensor's shape, strides, dtype, device and
-# 16-byte alignment, the options (typed by the dense operators' schema; with their types for
-# varlen) and, for varlen, the lengths' values: a call whose signature was prepared allocates its
-# results and workspaces from torch's caching allocator and launches on torch's current stream,
-# nothing else (no checks, no CuPy stream or array objects).
+# 16-byte alignment, the options (typed by the operators' schemas; with their types for varlen,
+# whose autograd.Function path passes anything), dropout's probability (its seed and offset are
+# written per call) and, for varlen, the lengths' values: a call whose signature was prepared
+# allocates its results and workspaces from torch's caching allocator and launches on torch's
+# current stream, nothing else (no checks, no CuPy stream or array objects).
 
 
 def _signature(x) -> tuple:
