@@ -10,10 +10,12 @@ have changed. Bad input misses (it was never prepared) and is refused by the ful
 
 The signature holds everything the checks and the planner read: each array's type, shape, strides,
 dtype, device and whether its address is 16-byte aligned (tensor maps need it), the options with
-their types (causal=1 is refused where True is not), and the policy in force. Calls with ALiBi
-slopes, key lengths, a block mask or dropout (arrays and seeds that change from call to call) take
-the full path every time. This module serves CuPy arrays; the torch adapter keys its tensors the
-same way (frameworks/torch.py).
+their types (causal=1 is refused where True is not), and the policy in force. Here, for
+`cupyflash.attention` and `attention_backward` on CuPy arrays, calls with ALiBi slopes, key
+lengths, a block mask or dropout take the full path every time. The torch adapter keys its
+tensors the same way, in this one cache (frameworks/torch.py), and also prepares its varlen calls
+(the lengths' values in the signature), dropout (the seed and offset written per call) and
+decoding steps.
 """
 
 from __future__ import annotations
