@@ -45,6 +45,24 @@ def test_option_keys_tell_types_apart():
         key([1, None])
 
 
+def test_prepared_signatures_tell_option_types_apart():
+    """api/prepared.py's flags: causal=1 (refused) is not causal=True; scale=True not 1.0; a window
+    of ints not one of floats; an unhashable window fails to hash (the full path then names it)."""
+    from cupyflash.api import prepared
+
+    key = prepared.flags_key
+    assert key(True, None, None, None, False) != key(1, None, None, None, False)
+    assert key(False, True, None, None, False) != key(False, 1.0, None, None, False)
+    assert key(False, None, (3, 0), None, False) != key(False, None, (3.0, 0), None, False)
+    assert key(True, 0.5, (3, None), 2.0, True) == key(True, 0.5, (3, None), 2.0, True)
+    with pytest.raises(TypeError):
+        hash(key(False, None, [3, 0], None, False))
+    assert prepared.plain(None, None, 0.0, None, 0)
+    assert not any(prepared.plain(*args) for args in [
+        (numpy.ones(2), None, 0.0, None, 0), (None, 3, 0.0, None, 0), (None, None, 0, None, 0),
+        (None, None, 0.1, 5, 0), (None, None, 0.0, 5, 0), (None, None, 0.0, None, 1), (None, None, 0.0, None, True)])
+
+
 def test_a_repeated_call_is_checked_once_and_reads_its_own_arrays(rng, cache):
     shape = (2, 37, 53, 3, 24)
     for _ in range(3):
@@ -118,17 +136,21 @@ def test_the_cache_keeps_a_bounded_number_of_problems(rng, cache, monkeypatch):
     assert len(common.CHECKED) == 3
 
 
-@pytest.mark.parametrize("dtype,pointers", [
-    (FWD_PARAMS_DTYPE, ("q", "k", "v", "o", "lse")),
-    (BWD_PARAMS_DTYPE, ("lse", "lse_log2", "d", "dq_accum", "q", "k", "v", "o", "dout", "dq", "dk", "dv")),
+@pytest.mark.parametrize("dtype,pointers,words", [
+    (FWD_PARAMS_DTYPE, ("q", "k", "v", "o", "lse"), ()),
+    (FWD_PARAMS_DTYPE, ("q", "k", "v", "o", "lse", "dropout_seed"), ("dropout_offset",)),
+    (BWD_PARAMS_DTYPE, ("lse", "lse_log2", "d", "dq_accum", "q", "k", "v", "o", "dout", "dq", "dk", "dv"), ()),
+    (BWD_PARAMS_DTYPE, ("q", "dq", "dropout_seed"), ("dropout_offset",)),
 ])
-def test_a_launch_record_writes_each_calls_pointers(rng, dtype, pointers):
-    """The struct a record gives for new pointers holds, field by field, the struct built from scratch
-    (the padding between fields is left as it comes)."""
+def test_a_launch_record_writes_each_calls_pointers(rng, dtype, pointers, words):
+    """The struct a record gives for new pointers (and 4-byte values: dropout's offset, which shares
+    its word with the threshold) holds, field by field, the struct built from scratch (the padding
+    between fields is left as it comes)."""
     fields = {name: int(x) for name, x in zip(dtype.names, rng.integers(0, 2**31, len(dtype.names)))}
-    record = params.LaunchRecord(dtype, fields, pointers)
+    record = params.LaunchRecord(dtype, fields, pointers, words)
     for _ in range(2):
         new = {name: int(x) for name, x in zip(pointers, rng.integers(0, 2**63, len(pointers), dtype=numpy.uint64))}
+        new.update((name, int(x)) for name, x in zip(words, rng.integers(0, 2**32, len(words), dtype=numpy.uint64)))
         made = record.params(new)
         assert made.dtype == dtype and made.shape == (1,)
         assert made[0].tolist() == params.image(dtype, {**fields, **new})[0].tolist()

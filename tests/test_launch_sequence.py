@@ -82,10 +82,10 @@ def device(monkeypatch):
     return state
 
 
-def backward(state, rng, head_dim, density=None, seqlen=4096, deterministic=False, heads=2, mask=None):
+def backward(state, rng, head_dim, density=None, seqlen=4096, deterministic=False, heads=2, mask=None, dropout=None):
     """Plans one bfloat16 backward (batch 1, `heads` heads) with a random block mask of `density`
-    (None: unmasked), or with `mask`, under the default policy; its launches go to state.launches as
-    (kernel, grid, further arguments, params)."""
+    (None: unmasked), or with `mask`, and dropout's (p, seed, offset) if given, under the default
+    policy; its launches go to state.launches as (kernel, grid, further arguments, params)."""
     shape = (1, seqlen, heads, head_dim)
     q, k, v, out, dout = (numpy.empty(shape, BFLOAT16) for _ in range(5))
     lse = numpy.empty((1, heads, seqlen), numpy.float32)
@@ -95,6 +95,8 @@ def backward(state, rng, head_dim, density=None, seqlen=4096, deterministic=Fals
         mask = BlockMask(rng.random((heads, n, n)) < density)
     if mask is not None:
         p = common.check_block_mask(mask, p)
+    if dropout is not None:
+        p = validation.check_dropout(*dropout, p)
     arrays = [StandIn(x.shape, x.dtype) for x in (dout, q, k, v, out, lse, q, k, v)]
     made = plan.plan_backward(p, *arrays, policy=Policy())
     state.launches += [(x.kernel, x.grid, x.args[1:], x.args[0]) for x in made.launches]
@@ -200,3 +202,17 @@ def test_a_captured_backward_keeps_its_buffers(rng, device):
     assert {field(params, "dq_accum"), field(params, "lse_log2"), int(more[4])} <= kept
     (stats,) = [x for x in workspace.CAPTURED if x.data.ptr == field(params, "lse_log2")]  # D shares its allocation
     assert field(params, "lse_log2") < field(params, "d") < field(params, "lse_log2") + stats.nbytes
+
+
+def test_every_launch_takes_the_calls_dropout_seed_and_offset(rng, device):
+    """A backward with dropout: each launch's struct holds the call's seed and offset, written per
+    call by the prepared bind (dispatch/plan.dropout_values), beside the probability's threshold."""
+    from cupyflash.cpu import philox
+
+    for seed, offset in ((1234, 56), (2**64 - 1, 2**32 - 1)):
+        device.launches.clear()
+        backward(device, rng, 64, dropout=(0.1, seed, offset))
+        assert device.launches
+        for *_, params in device.launches:
+            assert (field(params, "dropout_seed"), field(params, "dropout_offset")) == (seed, offset)
+            assert field(params, "dropout_threshold") == philox.threshold(0.1)

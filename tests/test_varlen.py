@@ -181,3 +181,22 @@ def test_varlen_instantiations():
         assert catalog.dq_kernel(True, "bfloat16", d, v) in varlen
     with pytest.raises(ValueError, match="no block-sparse"):
         catalog.forward_kernel("scalar", "float32", 64, catalog.Variant(True, True, varlen=True))
+
+
+def test_the_checks_read_device_views_as_arrays(rng):
+    """The torch adapter's first call of a packed batch checks DeviceViews (address, shape,
+    strides, dtype) of its tensors: the same problem as from arrays of that layout, a packed view
+    seen as a batch of one by x[None] and nothing else."""
+    from cupyflash import validation
+    from cupyflash.frameworks.arrays import DeviceView
+
+    q, k, v = (rng.standard_normal((203, h, 40)).astype(numpy.float32)[:, ::1] for h in (4, 2, 2))
+    cu = numpy.array([0, 17, 130, 203], numpy.int32)
+    views = [DeviceView(1 << 20, x.shape, x.strides, x.dtype, 0, x) for x in (q, k, v)]
+    options = dict(causal=True, scale=None, return_lse=True, window=(33, 0), softcap=None)
+    assert validation.check_varlen_args(*views, cu, cu, None, 113, **options) == validation.check_varlen_args(
+        q, k, v, cu, cu, None, 113, **options)
+    batch = views[0][None]
+    assert (batch.shape, batch.strides[1:], batch.data.ptr) == ((1, 203, 4, 40), q.strides, 1 << 20)
+    with pytest.raises(TypeError, match="only x\\[None\\]"):
+        views[0][0]
