@@ -67,8 +67,8 @@ def flags_key(causal, scale, window, softcap, flag) -> tuple:
             type(softcap), softcap, type(flag), flag)
 
 
-def _signature(x) -> tuple:
-    """A CuPy array's part of a call's signature."""
+def signature(x) -> tuple:
+    """A CuPy array's part of a call's signature: shape, strides, dtype, device, 16-byte alignment."""
     memory = x.data
     return x.shape, x.strides, x.dtype, memory.device_id, memory.ptr % 16 == 0
 
@@ -89,7 +89,7 @@ def forward_call(q, k, v, causal, scale, window, softcap, return_lse):
     ndarray = frameworks.cupy_ndarray_type()
     if ndarray is not None and type(q) is ndarray and type(k) is ndarray and type(v) is ndarray:
         try:
-            key = ("cupy forward", _signature(q) + _signature(k) + _signature(v),
+            key = ("cupy forward", signature(q) + signature(k) + signature(v),
                    flags_key(causal, scale, window, softcap, return_lse))
             entry = lookup(key)
         except TypeError:  # an unhashable option: the checks name it
@@ -130,8 +130,8 @@ def backward_call(dout, q, k, v, out, lse, causal, scale, window, softcap, deter
     ndarray = frameworks.cupy_ndarray_type()
     if ndarray is not None and all(type(x) is ndarray for x in arrays):
         try:
-            key = ("cupy backward", _signature(dout) + _signature(q) + _signature(k) + _signature(v)
-                   + _signature(out) + _signature(lse), flags_key(causal, scale, window, softcap, deterministic))
+            key = ("cupy backward", signature(dout) + signature(q) + signature(k) + signature(v)
+                   + signature(out) + signature(lse), flags_key(causal, scale, window, softcap, deterministic))
             entry = lookup(key)
         except TypeError:
             key = None

@@ -159,7 +159,7 @@ def _pieces(calls: int) -> int:
     flags = (False, None, None, None, True)  # causal, scale, window, softcap, return_lse
 
     def signature():
-        return ("cupy forward", prepared._signature(q) + prepared._signature(k) + prepared._signature(v),
+        return ("cupy forward", prepared.signature(q) + prepared.signature(k) + prepared.signature(v),
                 prepared.flags_key(*flags))
 
     key = signature()
@@ -189,8 +189,11 @@ def _pieces(calls: int) -> int:
 
 
 def _torch_pieces(torch) -> list:
-    """(name, call) of the torch adapter's training step and its pieces, and SDPA's."""
-    from cupyflash.frameworks import torch as adapter
+    """(name, call) of the torch adapter's training step and its pieces, through public names: the
+    step, the forward with autograd (the autograd.Function and the operator), the forward and the
+    backward operators called alone, the dispatcher's way into a Python operator (an operator of
+    the forward's schema that returns at once), the allocations; and SDPA's step and forward."""
+    import cupyflash.torch  # noqa: F401  (defines the cupyflash operators)
 
     q, k, v, dout = (torch.randn((1, 256, 8, 64), device="cuda", dtype=torch.bfloat16) for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
@@ -202,27 +205,38 @@ def _torch_pieces(torch) -> list:
             forward().backward(dout)
         return run
 
-    ours = step(lambda: adapter.attention(qg, kg, vg, causal=True))
+    ours = step(lambda: cupyflash.torch.attention(qg, kg, vg, causal=True))
     sdpa = step(lambda: torch.nn.functional.scaled_dot_product_attention(
         qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=True).transpose(1, 2))
-    args = adapter._operator_args(q, k, v, True, None, None, None, None, 0.0, None, 0, False)
-    out, lse, rng_state = adapter._attention_forward(*args)
-    backward_args = (dout, q, k, v, out, lse, *args[3:10], 0.0, rng_state, False)
-    options = (True, None, False, None, None, None)
+    # causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset, deterministic
+    options = (True, None, False, None, None, None, None, 0.0, None, 0, False)
+    forward_op, backward_op = torch.ops.cupyflash.attention_forward.default, torch.ops.cupyflash.attention_backward.default
+    out, lse, rng_state = forward_op(q, k, v, *options)
+    empty_op = _empty_operator(torch)
     return [("torch training step (1, 256, 8, 64)", ours),
-            ("  forward, autograd.Function and operator", lambda: adapter.attention(qg, kg, vg, causal=True)),
-            ("  forward operator, no autograd", lambda: adapter._attention_forward(*args)),
-            ("  forward, prepared call", lambda: adapter._prepared_forward(q, k, v, (*options, 0.0), None, 0)),
+            ("  forward, autograd.Function and operator", lambda: cupyflash.torch.attention(qg, kg, vg, causal=True)),
+            ("  forward operator alone", lambda: forward_op(q, k, v, *options)),
+            ("  backward operator alone", lambda: backward_op(dout, q, k, v, out, lse, *options[:8], rng_state, False)),
+            ("  an operator that returns at once (dispatch)", lambda: empty_op(q, k, v, *options)),
             ("  allocate out, lse and rng_state", lambda: (
-                adapter.empty(out.shape, out.dtype, out.device), adapter.empty(lse.shape, lse.dtype, lse.device),
+                torch.empty_like(q), torch.empty(lse.shape, dtype=lse.dtype, device=lse.device),
                 q.new_empty((0,), dtype=torch.int64))),
-            ("  backward operator", lambda: adapter._attention_backward(*backward_args)),
-            ("  backward, prepared call", lambda: adapter._prepared_backward(
-                dout, q, k, v, out, lse, (*options, False, 0.0), None, 0)),
-            ("  allocate dq, dk and dv", lambda: tuple(adapter.empty_like(x) for x in (q, k, v))),
+            ("  allocate dq, dk and dv", lambda: tuple(torch.empty_like(x) for x in (q, k, v))),
             ("SDPA training step (1, 256, 8, 64)", sdpa),
             ("  SDPA forward", lambda: torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True))]
+
+
+def _empty_operator(torch):
+    """An operator with cupyflash::attention_forward's arguments whose CUDA implementation returns
+    at once (defined once per process): what the dispatcher's way into and out of Python costs."""
+    if not hasattr(_empty_operator, "library"):
+        library = _empty_operator.library = torch.library.Library("cupyflash_bench", "DEF")  # (lives with it)
+        library.define("dispatch_probe(Tensor q, Tensor k, Tensor v, bool causal, float? scale, bool windowed, "
+                       "int? window_left, int? window_right, float? softcap, Tensor? alibi_slopes, float dropout_p, "
+                       "int? seed, int offset, bool deterministic) -> ()")
+        library.impl("dispatch_probe", lambda *arguments: None, "CUDA")
+    return torch.ops.cupyflash_bench.dispatch_probe.default
 
 
 def _jax_calls() -> dict:
