@@ -30,12 +30,13 @@ from cupyflash.problem import Options, lse_dtype
 from cupyflash.runtime import launch, workspace
 
 PREPARED: dict = {}  # signature -> PreparedCall, for every framework
-PREPARED_KEPT = 256  # the oldest dropped first: a model's layers share a handful of signatures
+PREPARED_KEPT = 256  # the first kept dropped first: a model's layers share a handful of signatures
 
 
 class PreparedCall:
-    """What the first call of a signature checked and planned: the problem, the bind of its
-    launches, the policy it was planned under, and the results' shapes (forward: out and lse)."""
+    """What the first call of a signature checked and planned: the problem (a DecodeProblem for a
+    decoding step), the bind of its launches, the policy it was planned under, and the results'
+    (out's shape, lse's shape, lse's dtype) for a forward or a decoding step."""
 
     __slots__ = ("problem", "bind", "policy", "shapes")
 
