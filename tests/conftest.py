@@ -71,7 +71,7 @@ def nan_outputs(monkeypatch):
 def nan_torch_outputs(monkeypatch):
     """As nan_outputs, for the results the torch adapter allocates with torch."""
     torch = pytest.importorskip("torch")
-    from cupyflash.frameworks import torch as adapter
+    from cupyflash.frameworks import torch_calls as adapter
 
     monkeypatch.setattr(adapter, "empty", lambda shape, dtype, device: torch.full(shape, torch.nan, dtype=dtype,
                                                                                   device=device))

@@ -125,9 +125,11 @@ def test_a_padded_batch_is_unpadded_once_per_forward(rng, monkeypatch):
     nonzero() waits for the GPU) and its lengths read to the host once; a new mask (or the same
     one written in place) is read again."""
     made, read = [], []
-    rows_and_lengths, host_lengths = adapter._rows_and_lengths, adapter.adapter._host_lengths
+    from cupyflash.frameworks import torch_calls
+
+    rows_and_lengths, host_lengths = adapter._rows_and_lengths, torch_calls.host_lengths
     monkeypatch.setattr(adapter, "_rows_and_lengths", lambda *a: made.append(1) or rows_and_lengths(*a))
-    monkeypatch.setattr(adapter.adapter, "_host_lengths", lambda x: read.append(id(x)) or host_lengths(x))
+    monkeypatch.setattr(torch_calls, "host_lengths", lambda x: read.append(id(x)) or host_lengths(x))
     torch.manual_seed(int(rng.integers(2**31)))
     bert = transformers.BertConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                    num_attention_heads=4, max_position_embeddings=128)
@@ -145,13 +147,13 @@ def test_a_padded_batch_is_unpadded_once_per_forward(rng, monkeypatch):
 
 
 def test_host_lengths_are_read_once_per_tensor_and_version():
-    from cupyflash.frameworks import torch as torch_adapter
+    from cupyflash.frameworks import torch_calls
 
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-    first = torch_adapter._host_lengths(cu)
-    assert torch_adapter._host_lengths(cu) is first and not first.flags.writeable
+    first = torch_calls.host_lengths(cu)
+    assert torch_calls.host_lengths(cu) is first and not first.flags.writeable
     cu[2] = 9
-    again = torch_adapter._host_lengths(cu)
+    again = torch_calls.host_lengths(cu)
     assert again is not first and again.tolist() == [0, 3, 9]
 
 

@@ -13,7 +13,7 @@ dtype, device and whether its address is 16-byte aligned (tensor maps need it), 
 their types (causal=1 is refused where True is not), and the policy in force. Here, for
 `cupyflash.attention` and `attention_backward` on CuPy arrays, calls with ALiBi slopes, key
 lengths, a block mask or dropout take the full path every time. The torch adapter keys its
-tensors the same way, in this one cache (frameworks/torch.py), and also prepares its varlen calls
+tensors the same way, in this one cache (frameworks/torch_calls.py), and also prepares its varlen calls
 (the lengths' values in the signature), dropout (the seed and offset written per call) and
 decoding steps.
 """

@@ -10,37 +10,24 @@ are read in place, the kernels run on PyTorch's current stream of their device, 
 are allocated by torch's caching allocator (as its own operators' are). CPU tensors take
 `cupyflash.attention`'s host path. The dense, varlen and decode calls are torch.library operators
 (below), so torch.compile traces them; `attention_decode` declares its writes to the caches.
+What the operators run on the tensors (prepared calls, torch's streams) is torch_calls.py.
 Importing this module imports torch, which cupyflash does not otherwise need.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import numbers
-import weakref
 from typing import Optional
 
-import numpy
 import torch
 
-from cupyflash import validation
-from cupyflash.api import common, decode, prepared, varlen
-from cupyflash.dispatch import decode as decode_planner
-from cupyflash.dispatch import plan as planner
-from cupyflash.dispatch import policy as policies
-from cupyflash.frameworks import arrays as frameworks
-from cupyflash.problem import Options, lse_dtype
-from cupyflash.runtime import launch, workspace
-from cupyflash.validation import BFLOAT16
+from cupyflash.api import decode
+from cupyflash.frameworks import torch_calls as calls
+from cupyflash.problem import Options
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_decode",
            "scaled_dot_product_attention", "FlashAttentionFunction", "FlashAttentionVarlenFunction"]
-
-_CUPY_DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BFLOAT16, torch.float32: numpy.float32,
-                torch.float64: numpy.float64}
-_NUMPY_DTYPES = {t: numpy.dtype(d) for t, d in _CUPY_DTYPES.items()}
 
 # torch's own SDPA, taken when this module is imported: what scaled_dot_product_attention hands on
 # the calls its kernels do not take, also after a program has set
@@ -92,7 +79,7 @@ def attention_varlen(
                           deterministic)
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if (args is not None and all(isinstance(c, torch.Tensor) for c in lengths[:2])
-            and all(m is None or _is_int(m) for m in lengths[2:])):
+            and all(m is None or calls.is_int(m) for m in lengths[2:])):
         args = (*args[:3], *lengths, *args[3:])
         out, lse = _VarlenOperator.apply(*args) if _needs_grad(q, k, v) else _attention_varlen_forward(*args)
     else:
@@ -129,343 +116,6 @@ def dropout_seed(dropout_p, seed, offset, x) -> tuple:
     return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)), offset
 
 
-def _view(x) -> frameworks.DeviceView:
-    """A CUDA tensor that `_on_gpu` took, as the kernels read it in place."""
-    itemsize = x.element_size()
-    return frameworks.DeviceView(x.data_ptr(), tuple(x.shape), tuple(s * itemsize for s in x.stride()),
-                                 _NUMPY_DTYPES[x.dtype], x.device.index, x)
-
-
-def _as_torch(x):
-    """A result of the generic path as a torch tensor (DLPack, no copy)."""
-    return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
-
-
-def _on_gpu(*tensors) -> bool:
-    """Whether the kernels take these tensors in place: CUDA tensors of the dtypes they read. Others
-    (CPU tensors, other dtypes, empty ones) go the generic way, whose checks name what is wrong."""
-    return all(isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in _CUPY_DTYPES and x.numel() for x in tensors)
-
-
-def empty(shape, dtype, device):
-    """Result allocation from torch's caching allocator, on its current stream (tests fill it with
-    NaN)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def empty_like(x):
-    """A gradient for x: x's strides where x is dense (autograd would otherwise copy it to them)."""
-    return torch.empty_like(x)
-
-
-# CuPy streams wrapping torch's, by (device, cudaStream_t): one per stream a process uses, not one a
-# call.
-_STREAMS: dict = {}
-_STREAMS_KEPT = 64
-
-
-class _TorchStream:
-    """`with _TorchStream(x):` runs CuPy on x's device and PyTorch's current stream there."""
-
-    __slots__ = ("device", "stream")
-
-    def __init__(self, x):
-        import cupy
-
-        index = x.device.index
-        self.device = cupy.cuda.Device(index)
-        handle = torch.cuda.current_stream(index).cuda_stream
-        stream = _STREAMS.get((index, handle))
-        if stream is None:
-            with self.device:
-                stream = frameworks.external_stream(handle, index)
-            workspace.keep_bounded(_STREAMS, (index, handle), stream, _STREAMS_KEPT)
-        self.stream = stream
-
-    def __enter__(self):
-        self.device.__enter__()
-        self.stream.__enter__()
-
-    def __exit__(self, *exc):
-        self.stream.__exit__(*exc)
-        self.device.__exit__(*exc)
-
-
-def _on_torch_stream(x):
-    """CuPy's current stream set to PyTorch's current stream on x's device (nothing for CPU)."""
-    return _TorchStream(x) if x.is_cuda else contextlib.nullcontext()
-
-
-_LSE_DTYPES = {numpy.dtype(numpy.float32): torch.float32, numpy.dtype(numpy.float64): torch.float64}
-
-
-# --------------------------------------------------------------------------- prepared calls
-#
-# The dense, varlen and decode operators' CUDA calls without ALiBi slopes go through
-# api/prepared.py's cache of prepared calls, keyed by each tensor's shape, strides, dtype, device and
-# 16-byte alignment, the options (typed by the operators' schemas; with their types for varlen,
-# whose autograd.Function path passes anything), dropout's probability (its seed and offset are
-# written per call) and, for varlen, the lengths' values: a call whose signature was prepared
-# allocates its results and workspaces from torch's caching allocator and launches on torch's
-# current stream, nothing else (no checks, no CuPy stream or array objects).
-
-
-def _signature(x) -> tuple:
-    return x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0
-
-
-def _raw_stream(index: int) -> int:
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-# torch's own accessor of the current cudaStream_t (what code that torch.compile generates calls):
-# ~0.2 us against current_stream's ~3.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream)
-
-
-_ALLOCATORS: dict = {}  # device index -> (empty, zeros) of workspace.Stream
-
-
-def _allocators(index: int) -> tuple:
-    allocators = _ALLOCATORS.get(index)
-    if allocators is None:
-        def allocate(make, n, dtype):
-            x = make(n, dtype=_LSE_DTYPES.get(numpy.dtype(dtype)) or _TORCH_DTYPES[numpy.dtype(dtype)], device=index)
-            return x, x.data_ptr()
-
-        allocators = _ALLOCATORS[index] = (functools.partial(allocate, torch.empty),
-                                           functools.partial(allocate, torch.zeros))
-    return allocators
-
-
-# (the counters: uint32 to the kernels, int32 to torch, whose uint32 tensors have few operators)
-_TORCH_DTYPES = {numpy.dtype(numpy.uint32): torch.int32, numpy.dtype(numpy.int32): torch.int32}
-
-
-def _torch_stream(index: int) -> workspace.Stream:
-    """torch's current stream on the device, with its caching allocator (`workspace.Stream`)."""
-    import cupy
-
-    ptr = _raw_stream(index)
-    capturing = cupy.cuda.runtime.streamIsCapturing(ptr) != cupy.cuda.runtime.streamCaptureStatusNone
-    return workspace.Stream(ptr, index, capturing, *_allocators(index))
-
-
-def _prepared_forward(q, k, v, options: tuple, seed, offset):
-    """out, lse of the dense forward operator through the signature's prepared call (made by this
-    call if it is the first), or None where the tensors are not the kernels' to read in place (or
-    dropout's seed or offset is out of range: the checks name it). Dropout's probability is part of
-    the signature, its seed and offset the call's own."""
-    causal, scale, windowed, left, right, softcap, dropout_p = options
-    values = _dropout_values(dropout_p, seed, offset)
-    if values is None:
-        return None
-
-    def check(arrays, origins):
-        return common.checked_problem("forward", arrays, origins, Options(
-            causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap, return_lse=True,
-            dropout_p=dropout_p, seed=seed, offset=offset))
-
-    return _prepared_forward_call(("torch forward", _signature(q) + _signature(k) + _signature(v), options),
-                                  q, k, v, check, values)
-
-
-def _dropout_values(dropout_p, seed, offset):
-    """The seed and offset a prepared bind writes (none without dropout), or None where they are out
-    of the kernels' range (the full path's checks then say so)."""
-    if not dropout_p > 0:
-        return {}
-    if not (0 <= seed < 2**64 and 0 <= offset < 2**32):
-        return None
-    return {"dropout_seed": seed, "dropout_offset": offset}
-
-
-def _prepared_backward(dout, q, k, v, out, lse, options: tuple, seed, offset):
-    """dq, dk, dv of the dense backward operator through the signature's prepared call, as
-    `_prepared_forward`."""
-    if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
-        dout = dout.contiguous()
-    causal, scale, windowed, left, right, softcap, deterministic, dropout_p = options
-    values = _dropout_values(dropout_p, seed, offset)
-    if values is None:
-        return None
-
-    def check(arrays, origins):
-        return common.checked_problem("backward", arrays, origins, Options(
-            causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap,
-            deterministic=deterministic, dropout_p=dropout_p, seed=seed, offset=offset))
-
-    key = ("torch backward", _signature(dout) + _signature(q) + _signature(k) + _signature(v) + _signature(out)
-           + _signature(lse), options)
-    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check, values)
-
-
-def _prepared_varlen_forward(q, k, v, lengths: tuple, options: dict):
-    """out, lse of a varlen forward without ALiBi slopes or dropout through its signature's prepared
-    call, the lengths' values (host copies) part of the signature; None where it takes the generic
-    path."""
-    key = _varlen_key("torch varlen forward", (q, k, v), lengths, options, ())
-    values = None if key is None else _dropout_values(options["dropout_p"], options["seed"], options["offset"])
-    if values is None:
-        return None
-    cu_q, cu_k, max_q, max_k = lengths
-
-    def check(arrays, origins):
-        p = validation.check_varlen_args(
-            *arrays.values(), cu_q, cu_k, max_q, max_k, causal=options["causal"], scale=options["scale"],
-            return_lse=True, window=options["window"], softcap=options["softcap"])
-        return validation.check_dropout(options["dropout_p"], options["seed"], options["offset"], p)
-
-    return _prepared_forward_call(key, q, k, v, check, values)
-
-
-def _prepared_varlen_backward(dout, q, k, v, out, lse, lengths: tuple, options: dict):
-    """dq, dk, dv of a varlen backward through its signature's prepared call, as
-    `_prepared_varlen_forward`."""
-    key = _varlen_key("torch varlen backward", (dout, q, k, v, out, lse), lengths, options,
-                      (options["deterministic"],))
-    values = None if key is None else _dropout_values(options["dropout_p"], options["seed"], options["offset"])
-    if values is None:
-        return None
-    cu_q, cu_k, max_q, max_k = lengths
-
-    def check(arrays, origins):
-        p = validation.check_varlen_backward_args(
-            *arrays.values(), cu_q, cu_k, max_q, max_k, causal=options["causal"], scale=options["scale"],
-            deterministic=options["deterministic"], window=options["window"], softcap=options["softcap"])
-        return validation.check_dropout(options["dropout_p"], options["seed"], options["offset"], p)
-
-    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check, values)
-
-
-def _varlen_key(kind: str, tensors: tuple, lengths: tuple, options: dict, more: tuple):
-    """A varlen call's signature: its tensors', its host lengths' dtypes and values, max_seqlen,
-    and its options with their types (dropout's probability; its seed and offset are the call's
-    own); None for a call the prepared calls do not take (ALiBi, lengths that are not host arrays,
-    options of other types: the checks name them)."""
-    cu_q, cu_k, max_q, max_k = lengths
-    dropout_p, seed, offset = options["dropout_p"], options["seed"], options["offset"]
-    if not (options["alibi_slopes"] is None and type(dropout_p) is float and 0.0 <= dropout_p < 1.0
-            and (seed is None if dropout_p == 0.0 else _is_int(seed)) and _is_int(offset)
-            and type(cu_q) is numpy.ndarray and type(cu_k) is numpy.ndarray
-            and all(m is None or _is_int(m) for m in (max_q, max_k))):
-        return None
-    try:
-        flags = common.option_key((options["causal"], options["scale"], options["window"], options["softcap"],
-                                   dropout_p, *more))
-    except TypeError:
-        return None
-    signature = ()
-    for x in tensors:
-        signature += _signature(x)
-    return (kind, signature, cu_q.dtype.str, cu_q.tobytes(), cu_k.dtype.str, cu_k.tobytes(), max_q, max_k, flags)
-
-
-def _prepared_forward_call(key, q, k, v, check, values: dict):
-    """out, lse through the prepared call of `key`, made on a miss from check(arrays, origins) ->
-    the checked problem; None where the tensors are not the kernels' to read in place."""
-    entry = prepared.lookup(key)
-    if entry is None:
-        if not _on_gpu(q, k, v):
-            return None
-        with _TorchStream(q):  # (the checks, and what the first plan uploads, on torch's stream)
-            arrays, origins = common.ingest({"q": _view(q), "k": _view(k), "v": _view(v)})
-            p = check(arrays, origins)
-            shapes = common.forward_shapes(p)
-            out, lse = empty(shapes[0], q.dtype, q.device), empty(shapes[1], _LSE_DTYPES[lse_dtype(p.dtype_name)], q.device)
-            bind = planner.prepare_forward(p, *arrays.values(), _view(out), _view(lse), policies.current())
-        entry = prepared.PreparedCall(p, bind, policies.current(), (*shapes, lse.dtype))
-        prepared.keep(key, entry)
-    else:
-        out = empty(entry.shapes[0], q.dtype, q.device)
-        lse = empty(entry.shapes[1], entry.shapes[2], q.device)
-    index = q.get_device()
-    with prepared.on_device(index):
-        stream = _torch_stream(index)
-        pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr(),
-                    "lse": lse.data_ptr(), **values}
-        launch.run(entry.bind(pointers, stream), stream.ptr)
-    return out, lse
-
-
-def _prepared_backward_call(key, tensors: tuple, check, values: dict):
-    """dq, dk, dv through the prepared call of `key`, as `_prepared_forward_call`; tensors: dout,
-    q, k, v, out, lse."""
-    dout, q, k, v, out, lse = tensors
-    entry = prepared.lookup(key)
-    grads = None
-    if entry is None:
-        if not _on_gpu(*tensors):
-            return None
-        with _TorchStream(q):
-            arrays, origins = common.ingest(dict(zip(common.BACKWARD_ARRAYS, map(_view, tensors))))
-            p = check(arrays, origins)
-            if p.batch == 0 or p.heads == 0:
-                return None
-            grads = tuple(empty_like(x) for x in (q, k, v))
-            bind = planner.prepare_backward(p, *arrays.values(), *map(_view, grads), policies.current())
-        entry = prepared.PreparedCall(p, bind, policies.current(), None)
-        prepared.keep(key, entry)
-    if grads is None:
-        grads = tuple(empty_like(x) for x in (q, k, v))
-    index = q.get_device()
-    with prepared.on_device(index):
-        stream = _torch_stream(index)
-        named = zip(planner.BACKWARD_POINTERS, (q, k, v, out, dout, *grads, lse))
-        launch.run(entry.bind({**{name: x.data_ptr() for name, x in named}, **values}, stream), stream.ptr)
-    return grads
-
-
-def _forward(q, k, v, options: Options) -> tuple:
-    """out, lse of `cupyflash.attention` (options.return_lse True): CUDA tensors read in place and
-    the results allocated by torch; other tensors take the generic path (DLPack, and its checks)."""
-    if _on_gpu(q, k, v):
-        with _TorchStream(q):
-            arrays, origins = common.ingest({"q": _view(q), "k": _view(k), "v": _view(v)})
-            p = common.checked_problem("forward", arrays, origins, options)
-            out_shape, lse_shape = common.forward_shapes(p)
-            out = empty(out_shape, q.dtype, q.device)
-            lse = empty(lse_shape, _LSE_DTYPES[lse_dtype(p.dtype_name)], q.device)
-            # (workspaces from torch's allocator: a CUDA-graph capture takes them from its pool)
-            common.forward_gpu(*arrays.values(), p, _view(out), _view(lse), _torch_stream(q.get_device()))
-        return out, lse
-    # DLPack refuses tensors that require grad; the kernels only read them.
-    given = dict(zip(("q", "k", "v"), (x.detach() if isinstance(x, torch.Tensor) else x for x in (q, k, v))))
-    with _on_torch_stream(q):
-        return tuple(map(_as_torch, common.forward_call(given, options)))
-
-
-def _backward(dout, q, k, v, out, lse, options: Options) -> tuple:
-    """dq, dk, dv of `cupyflash.attention_backward`, as `_forward` runs the forward."""
-    if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
-        dout = dout.contiguous()
-    if _on_gpu(dout, q, k, v, out, lse):
-        with _TorchStream(q):
-            given = dict(zip(common.BACKWARD_ARRAYS, map(_view, (dout, q, k, v, out, lse))))
-            arrays, origins = common.ingest(given)
-            p = common.checked_problem("backward", arrays, origins, options)
-            grads = tuple(empty_like(x) for x in (q, k, v))
-            if p.seqlens_k is not None:  # padding keys are no block's to write: their gradient is 0
-                grads[1].zero_()
-                grads[2].zero_()
-            common.backward_gpu(*arrays.values(), p, tuple(map(_view, grads)), _torch_stream(q.get_device()))
-        return grads
-    given = dict(zip(common.BACKWARD_ARRAYS, (x.detach() for x in (dout, q, k, v, out, lse))))
-    with _on_torch_stream(q):
-        grads = tuple(map(_as_torch, common.backward_call(given, options)))
-    return _laid_out_like(grads, (q, k, v))
-
-
-def _laid_out_like(grads, inputs) -> tuple:
-    """Gradients in `empty_like(input)`'s layout, which the operators' fake results promise (the
-    generic path's come back contiguous)."""
-    out = []
-    for g, x in zip(grads, inputs):
-        like = empty_like(x)
-        out.append(g if g.stride() == like.stride() else like.copy_(g))
-    return tuple(out)
-
-
 def _save(ctx, tensors: tuple, options, *non_differentiable) -> None:
     """What an autograd.Function's backward reads: the tensors, the options; and which of its
     outputs get no gradient."""
@@ -489,7 +139,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, options: Options):
         if options.return_lse is not True:  # (lse is saved for the backward)
             options = dataclasses.replace(options, return_lse=True)
-        out, lse = _forward(q, k, v, options)
+        out, lse = calls.forward(q, k, v, options)
         _save(ctx, (q, k, v, out, lse), options, lse)
         return out, lse
 
@@ -497,7 +147,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:  # (out took no part in the loss)
             return None, None, None, None
-        return (*_backward(dout, *ctx.saved_tensors, ctx.options), None)
+        return (*calls.backward(dout, *ctx.saved_tensors, ctx.options), None)
 
 
 # --------------------------------------------------------------------------- torch.library operators
@@ -546,13 +196,13 @@ def _attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     seed, offset = dropout_seed(dropout_p, seed, offset, q)
     if alibi_slopes is None and q.is_cuda:
-        results = _prepared_forward(q, k, v, (causal, scale, windowed, window_left, window_right, softcap, dropout_p),
+        results = calls.prepared_forward(q, k, v, (causal, scale, windowed, window_left, window_right, softcap, dropout_p),
                                     seed, offset)
         if results is not None:
             return (*results, _rng_state(q, dropout_p, seed, offset))
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                                 seed, offset, deterministic)
-    return (*_forward(q, k, v, options), _rng_state(q, dropout_p, seed, offset))
+    return (*calls.forward(q, k, v, options), _rng_state(q, dropout_p, seed, offset))
 
 
 _attention_forward = _operator(_attention_forward)
@@ -590,13 +240,13 @@ def _attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     seed, offset = _drawn(dropout_p, rng_state)
     if alibi_slopes is None and q.is_cuda:
-        grads = _prepared_backward(dout, q, k, v, out, lse, (causal, scale, windowed, window_left, window_right,
+        grads = calls.prepared_backward(dout, q, k, v, out, lse, (causal, scale, windowed, window_left, window_right,
                                                              softcap, deterministic, dropout_p), seed, offset)
         if grads is not None:
             return grads
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                                 seed, offset, deterministic)
-    return _backward(dout, q, k, v, out, lse, options)
+    return calls.backward(dout, q, k, v, out, lse, options)
 
 
 _attention_backward = _operator(_attention_backward)
@@ -647,21 +297,16 @@ def _operator_args(q, k, v, causal, scale, window, softcap, alibi_slopes, dropou
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         return None
     if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2
-                                   and all(w is None or _is_int(w) for w in window)):
+                                   and all(w is None or calls.is_int(w) for w in window)):
         return None
-    if not (isinstance(causal, bool) and isinstance(deterministic, bool) and _is_int(offset, 0, 2**32)
-            and (seed is None or _is_int(seed, 0, 2**63)) and _is_float(dropout_p)
+    if not (isinstance(causal, bool) and isinstance(deterministic, bool) and calls.is_int(offset, 0, 2**32)
+            and (seed is None or calls.is_int(seed, 0, 2**63)) and _is_float(dropout_p)
             and all(x is None or _is_float(x) for x in (scale, softcap))
             and (alibi_slopes is None or isinstance(alibi_slopes, torch.Tensor))):
         return None
     windowed, left, right = _window_args(window)
     return (q, k, v, causal, None if scale is None else float(scale), windowed, left, right,
             None if softcap is None else float(softcap), alibi_slopes, float(dropout_p), seed, offset, deterministic)
-
-
-def _is_int(x, low=-(2**63), high=2**63) -> bool:
-    """An int (not a bool) in [low, high): what an operator's int argument carries."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and low <= x < high
 
 
 def _is_float(x) -> bool:
@@ -678,7 +323,7 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
         cu_seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         options = dict(causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                        dropout_p=dropout[0], seed=dropout[1], offset=dropout[2])
-        out, lse = _varlen_forward(q, k, v, cu_seqlens, options)
+        out, lse = calls.varlen_forward(q, k, v, cu_seqlens, options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cu_seqlens, ctx.options = cu_seqlens, dict(options, deterministic=deterministic)
         ctx.mark_non_differentiable(lse)
@@ -686,72 +331,7 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return _varlen_backward(dout, *ctx.saved_tensors, ctx.cu_seqlens, ctx.options) + (None,) * 11
-
-
-# Host copies of length tensors (cu_seqlens), by tensor: a packed batch's lengths go to every
-# layer's forward and backward, and each read of a CUDA tensor waits for the GPU. An entry holds
-# only while it is the same live tensor at the same version (an in-place write bumps it) and
-# address.
-_HOST_LENGTHS: dict = {}
-_HOST_LENGTHS_KEPT = 64
-
-
-def _host_lengths(x):
-    """A tensor's values as a read-only NumPy array, read once per tensor and version. The varlen
-    checks then read the copy, and the kernels an upload of it that is kept for the same values
-    (runtime/params.py's _device_lengths)."""
-    kept = _HOST_LENGTHS.get(id(x))
-    if kept is not None and kept[0]() is x and kept[1:3] == (x._version, x.data_ptr()):
-        return kept[3]
-    host = x.detach().cpu().numpy()
-    host.setflags(write=False)
-    workspace.keep_bounded(_HOST_LENGTHS, id(x), (weakref.ref(x), x._version, x.data_ptr(), host), _HOST_LENGTHS_KEPT)
-    return host
-
-
-_VARLEN_DEFAULTS = dict(causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None,
-                       offset=0, deterministic=False)
-
-
-def _all_varlen_options(options: dict) -> dict:
-    """A varlen call's options with the defaults of those it left out."""
-    return {**_VARLEN_DEFAULTS, **options}
-
-
-def _varlen_lengths(lengths: tuple) -> tuple:
-    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the cu_seqlens that are
-    integer tensors as their kept host copies (others go as given: the checks name them)."""
-    return (*(_host_lengths(x) if isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex()
-              and x.dtype != torch.bool else x for x in lengths[:2]), *lengths[2:])
-
-
-def _varlen_forward(q, k, v, cu_seqlens, options: dict) -> tuple:
-    cu_seqlens = _varlen_lengths(cu_seqlens)
-    if all(isinstance(x, torch.Tensor) for x in (q, k, v)):
-        results = _prepared_varlen_forward(q, k, v, cu_seqlens, _all_varlen_options(options))
-        if results is not None:
-            return results
-    q, k, v = (x.detach() for x in (q, k, v))
-    if isinstance(options.get("alibi_slopes"), torch.Tensor):
-        options = dict(options, alibi_slopes=options["alibi_slopes"].detach())
-    with _on_torch_stream(q):
-        return tuple(map(_as_torch, varlen.attention_varlen(q, k, v, *cu_seqlens, return_lse=True, **options)))
-
-
-def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens, options: dict) -> tuple:
-    cu_seqlens = _varlen_lengths(cu_seqlens)
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    if all(isinstance(x, torch.Tensor) for x in (q, k, v, out, lse)):
-        grads = _prepared_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, _all_varlen_options(options))
-        if grads is not None:
-            return grads
-    inputs = (q, k, v)
-    q, k, v, out, lse, dout = (x.detach() for x in (q, k, v, out, lse, dout))
-    with _on_torch_stream(q):
-        grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, *cu_seqlens, **options)
-    return _laid_out_like(tuple(map(_as_torch, grads)), inputs)
+        return calls.varlen_backward(dout, *ctx.saved_tensors, ctx.cu_seqlens, ctx.options) + (None,) * 11
 
 
 def _varlen_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset):
@@ -767,7 +347,7 @@ def _attention_varlen_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     options = _varlen_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                               seed, offset)
-    return _varlen_forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), options)
+    return calls.varlen_forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), options)
 
 
 _attention_varlen_forward = _operator(_attention_varlen_forward)
@@ -789,7 +369,7 @@ def _attention_varlen_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     options = _varlen_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                               seed, offset)
-    return _varlen_backward(dout, q, k, v, out, lse, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    return calls.varlen_backward(dout, q, k, v, out, lse, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                             dict(options, deterministic=deterministic))
 
 
@@ -836,7 +416,7 @@ def attention_backward(
     if args is None or not all(isinstance(x, torch.Tensor) for x in tensors) or (dropout_p > 0 and seed is None):
         options = Options(causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap,
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
-        return _eager(_backward)(dout, q, k, v, out, lse, options)
+        return _eager(calls.backward)(dout, q, k, v, out, lse, options)
     state = _rng_state(q, args[10], seed, offset)
     return _attention_backward(dout, *args[:3], out, lse, *args[3:11], state, deterministic)
 
@@ -850,14 +430,14 @@ def attention_decode(
     whole. cache_seqlens: an integer tensor (a CUDA one is used as given, never read back), an int,
     a list, or None. No gradient. Returns out, or (out, lse) with return_lse=True."""
     lengths = cache_seqlens
-    if isinstance(q, torch.Tensor) and q.dim() == 4 and _is_int(lengths, 0, 2**31):  # one length for every sequence
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and calls.is_int(lengths, 0, 2**31):  # one length for every sequence
         lengths = torch.full((q.shape[0],), lengths, dtype=torch.int32)  # host values, checked as such
-    elif isinstance(lengths, (list, tuple)) and all(_is_int(n, 0, 2**31) for n in lengths):
+    elif isinstance(lengths, (list, tuple)) and all(calls.is_int(n, 0, 2**31) for n in lengths):
         lengths = torch.tensor(lengths, dtype=torch.int32)
     args = _operator_args(q, k_cache, v_cache, causal, scale, window, softcap, alibi_slopes, 0.0, None, 0, False)
     carried = (args is not None and (lengths is None or isinstance(lengths, torch.Tensor))
                and all(x is None or isinstance(x, torch.Tensor) for x in (k_new, v_new))
-               and (num_splits is None or _is_int(num_splits)))
+               and (num_splits is None or calls.is_int(num_splits)))
     if not carried:  # the generic path, whose checks name a wrong argument
         return _eager(decode.attention_decode)(
             q, k_cache, v_cache, cache_seqlens, k_new=k_new, v_new=v_new, causal=causal, window=window, scale=scale,
@@ -867,50 +447,6 @@ def attention_decode(
     return (out, lse) if return_lse else out
 
 
-def _prepared_decode(q, k_cache, v_cache, lengths, k_new, v_new, options: tuple):
-    """out, lse of a decoding step through its signature's prepared call, or None where the step
-    takes decode.attention_decode (host lengths, whose values are checked; tensors the kernels do
-    not read in place; bad arguments, which its checks name). GPU lengths are used as given."""
-    signature = _signature(q) + _signature(k_cache) + _signature(v_cache)
-    for x in (lengths, k_new, v_new):
-        signature += (None,) if x is None else _signature(x)
-    key = ("torch decode", signature, options)
-    entry = prepared.lookup(key)
-    if entry is None:
-        tensors = [x for x in (q, k_cache, v_cache, k_new, v_new) if x is not None]
-        if not (_on_gpu(*tensors) and len({x.get_device() for x in tensors}) == 1 and (lengths is None or (
-                lengths.is_cuda and lengths.dtype == torch.int32 and lengths.dim() == 1 and lengths.is_contiguous()
-                and lengths.get_device() == q.get_device()))):
-            return None
-        causal, scale, windowed, left, right, softcap, num_splits = options
-        views = [None if x is None else _view(x) for x in (q, k_cache, v_cache, k_new, v_new)]
-        try:  # (host lengths of the same shape stand in for the GPU ones, whose values are never read)
-            d = validation.check_decode_args(
-                *views[:3], None if lengths is None else numpy.zeros(lengths.shape[0], numpy.int32), *views[3:],
-                causal=causal, scale=scale, return_lse=True, window=(left, right) if windowed else None,
-                num_splits=num_splits, softcap=softcap)
-        except (TypeError, ValueError):
-            return None
-        p = d.attention
-        shapes = ((p.batch, p.seqlen_q, p.heads, p.head_dim), (p.batch, p.heads, p.seqlen_q),
-                  _LSE_DTYPES[lse_dtype(p.dtype_name)])
-        out, lse = empty(shapes[0], q.dtype, q.device), empty(shapes[1], shapes[2], q.device)
-        with _TorchStream(q):
-            bind = decode_planner.prepare_decode(d, *views[:3], *views[3:], None if lengths is None else _view(lengths),
-                                                 _view(out), _view(lse), policies.current())
-        entry = prepared.PreparedCall(d, bind, policies.current(), shapes)
-        prepared.keep(key, entry)
-    else:
-        out, lse = empty(entry.shapes[0], q.dtype, q.device), empty(entry.shapes[1], entry.shapes[2], q.device)
-    index = q.get_device()
-    with prepared.on_device(index):
-        stream = _torch_stream(index)
-        pointers = {name: 0 if x is None else x.data_ptr() for name, x in
-                    zip(decode_planner.DECODE_POINTERS, (q, k_cache, v_cache, k_new, v_new, out, lse, lengths))}
-        launch.run(entry.bind(pointers, stream), stream.ptr)
-    return out, lse
-
-
 def _attention_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],
     k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], causal: bool, scale: Optional[float], windowed: bool,
@@ -918,16 +454,16 @@ def _attention_decode(
     alibi_slopes: Optional[torch.Tensor], num_splits: Optional[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if alibi_slopes is None and q.is_cuda:
-        results = _prepared_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+        results = calls.prepared_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    (causal, scale, windowed, window_left, window_right, softcap, num_splits))
         if results is not None:
             return results
-    with _on_torch_stream(q):
+    with calls.on_torch_stream(q):
         out, lse = decode.attention_decode(
             q, k_cache, v_cache, cache_seqlens, k_new=k_new, v_new=v_new, causal=causal,
             window=(window_left, window_right) if windowed else None, scale=scale, return_lse=True,
             num_splits=num_splits, softcap=softcap, alibi_slopes=alibi_slopes)
-    return _as_torch(out), _as_torch(lse)
+    return calls.as_torch(out), calls.as_torch(lse)
 
 
 _attention_decode = _operator(_attention_decode, mutates_args=("k_cache", "v_cache"))
