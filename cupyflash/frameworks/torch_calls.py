@@ -26,7 +26,7 @@ from cupyflash.validation import BFLOAT16
 
 CUPY_DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BFLOAT16, torch.float32: numpy.float32,
                 torch.float64: numpy.float64}
-_NUMPY_DTYPES = {t: numpy.dtype(d) for t, d in CUPY_DTYPES.items()}
+_NUMPY_DTYPES = {**{t: numpy.dtype(d) for t, d in CUPY_DTYPES.items()}, torch.int32: numpy.dtype(numpy.int32)}
 
 
 def is_int(x, low=-(2**63), high=2**63) -> bool:
@@ -154,7 +154,7 @@ def _torch_stream(index: int) -> workspace.Stream:
 
     ptr = _raw_stream(index)
     capturing = cupy.cuda.runtime.streamIsCapturing(ptr) != cupy.cuda.runtime.streamCaptureStatusNone
-    return workspace.Stream(ptr, index, capturing, *_allocators(index))
+    return workspace.Stream(ptr, index, capturing, *_allocators(index), graph_pool=True)
 
 
 def prepared_forward(q, k, v, options: tuple, seed, offset):

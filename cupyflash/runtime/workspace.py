@@ -33,12 +33,19 @@ class Stream:
     is being captured into a graph, and the allocator whose blocks are reused in that stream's
     order (CuPy's pool on its current stream, `cupy_stream`; torch's caching allocator for the
     torch adapter). `empty(shape, dtype)` and `zeros(shape, dtype)` give (owner, address) of an array
-    of that shape (an int or a tuple); a workspace stays valid while its owner is referenced."""
+    of that shape (an int or a tuple); a workspace stays valid while its owner is referenced.
 
-    __slots__ = ("ptr", "device_id", "capturing", "empty", "zeros")
+    `held` keeps what a call being captured allocates: for the process's life (CAPTURED) where the
+    allocator would hand the blocks to later calls while the graph replays (CuPy's pool); for the
+    Stream's life, that is the call's, where the capture has a pool of its own that the graph keeps
+    (torch's: it also requires that a capture keeps nothing beyond its outputs)."""
 
-    def __init__(self, ptr: int, device_id: int, capturing: bool, empty, zeros):
+    __slots__ = ("ptr", "device_id", "capturing", "empty", "zeros", "held", "graph_pool")
+
+    def __init__(self, ptr: int, device_id: int, capturing: bool, empty, zeros, graph_pool: bool = False):
         self.ptr, self.device_id, self.capturing, self.empty, self.zeros = ptr, device_id, capturing, empty, zeros
+        self.held = None if not capturing else [] if graph_pool else CAPTURED
+        self.graph_pool = graph_pool
 
 
 def _cupy_empty(shape, dtype):
@@ -69,15 +76,30 @@ def zeroed(purpose: str, n: int, dtype, stream: Stream, least: int = 0) -> int:
     replays may run on any stream beside calls on this one (the clear is captured too: harmless)."""
     if stream.capturing:
         owner, ptr = stream.zeros(n, dtype)
-        CAPTURED.append(owner)
+        stream.held.append(owner)
         return ptr
     key = (purpose, stream.device_id, stream.ptr)
     kept = ZEROED.get(key)
     if kept is None or kept.size < n or kept.dtype != dtype:
         size = max(n, least)
-        owner, ptr = stream.zeros(size, dtype)
+        owner, ptr = _outside_pools(size, dtype, stream) if stream.graph_pool else stream.zeros(size, dtype)
         kept = ZEROED[key] = Zeroed(owner, size, dtype, ptr)
     return kept.ptr
+
+
+def _outside_pools(size: int, dtype, stream: Stream):
+    """A zeroed CuPy array of its own cudaMalloc, for a buffer kept per stream beside an allocator
+    whose captures own pools (torch's): torch's cudagraph trees warm a graph up in its pool and then
+    refuse any tensor there that outlives the call. cudaFree, when the buffer is replaced, waits for
+    the launches still using it."""
+    import cupy
+
+    nbytes = size * dtype.itemsize
+    with cupy.cuda.Device(stream.device_id):
+        memory = cupy.cuda.memory.Memory(nbytes)
+        cupy.cuda.runtime.memsetAsync(memory.ptr, 0, nbytes, stream.ptr)
+        owner = cupy.ndarray(size, dtype, cupy.cuda.MemoryPointer(memory, 0))
+    return owner, memory.ptr
 
 
 def zeroed_counters(n: int, stream: Stream) -> int:
@@ -86,10 +108,10 @@ def zeroed_counters(n: int, stream: Stream) -> int:
 
 
 def keep_if_captured(stream: Stream, *owners) -> None:
-    """Keeps the owners given (None: skipped) alive for the process's life if `stream` is being
+    """Keeps the owners given (None: skipped) alive as long as `stream.held` if `stream` is being
     captured into a graph."""
     if stream.capturing:
-        CAPTURED.extend(x for x in owners if x is not None)
+        stream.held.extend(x for x in owners if x is not None)
 
 
 def keep_bounded(cache: dict, key, value, limit: int) -> None:
