@@ -126,3 +126,22 @@ def policy():
 def scalar_kernels(policy):
     """The CUDA-core kernels for every dtype (the tensor-core families left out)."""
     policy(families=("scalar",))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """`launches(each)`: each(kernel, (device_id, grid, *arguments)) is called for every launch that
+    runtime/launch.py queues from here on, in order, before it is queued."""
+    from cupyflash.runtime import launch
+
+    def watch(each):
+        real = launch.run
+
+        def run(plan, stream=None):
+            for made in plan.launches:
+                each(made.kernel, (plan.device_id, made.grid, *made.args))
+            return real(plan, stream)
+
+        monkeypatch.setattr(launch, "run", run)
+
+    return watch

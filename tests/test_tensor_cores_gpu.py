@@ -18,7 +18,6 @@ from cupyflash.catalog.specs import BwdRowKernel
 from cupyflash.dispatch.policy import current
 from cupyflash.problem import lse_dtype
 from cupyflash.runtime import device as devices
-from cupyflash.runtime import launch
 from families import MMA_SYNC, SCALAR, TENSOR_CORES, backward, forward
 from shapes import numpy_dtype, random_qkv
 from test_attention_gpu import assert_matches_reference
@@ -30,16 +29,10 @@ TC_DTYPES = list(tiles.TENSOR_CORE_DTYPES)
 
 
 @pytest.fixture
-def launched(monkeypatch):
+def launched(launches):
     """The kernels attention() and attention_backward() launch, in order."""
     kernels = []
-    real = launch.launch
-
-    def recording(kernel, device_id, grid, params, *more, **stream):
-        kernels.append(kernel)
-        return real(kernel, device_id, grid, params, *more, **stream)
-
-    monkeypatch.setattr(launch, "launch", recording)
+    launches(lambda kernel, arguments: kernels.append(kernel))
     return kernels
 
 

@@ -24,7 +24,7 @@ from cupyflash.catalog.tensor_cores import (
 )
 from cupyflash.dispatch.policy import current
 from cupyflash.runtime import device as devices
-from cupyflash.runtime import launch, workspace
+from cupyflash.runtime import workspace
 from families import TENSOR_CORES
 from families import forward as run_forward
 from shapes import numpy_dtype, random_qkv
@@ -46,7 +46,7 @@ class Launched(list):
 
 
 @pytest.fixture(params=["forward", "forward+backward"])
-def hopper(request, monkeypatch, policy):
+def hopper(request, monkeypatch, policy, launches):
     """The Hopper forward switched on, and the Hopper dK/dV kernel with it in the second run;
     `hopper.policy` changes the policy further."""
     import cupy
@@ -56,14 +56,8 @@ def hopper(request, monkeypatch, policy):
     launched = Launched(backward=request.param == "forward+backward")
     launched.policy = policy
     policy(hopper_forward=True, hopper_backward=launched.backward)
-    real = launch.launch
-
-    def recording(kernel, device_id, grid, params, *more, **stream):
-        if "Fwd" in type(kernel).__name__ or isinstance(kernel, TcBwdDkdvKernel):
-            launched.append(kernel)
-        return real(kernel, device_id, grid, params, *more, **stream)
-
-    monkeypatch.setattr(launch, "launch", recording)
+    launches(lambda kernel, arguments: launched.append(kernel) if (
+        "Fwd" in type(kernel).__name__ or isinstance(kernel, TcBwdDkdvKernel)) else None)
     return launched
 
 
@@ -524,7 +518,8 @@ WS_BWD_SHAPES = [(2, 70, 1, 4, 2, 64), (2, 1, 17, 3, 3, 40), (2, 203, 331, 4, 2,
 @pytest.mark.parametrize("variant", list(TMA_VARIANTS))
 @pytest.mark.parametrize("shape", WS_BWD_SHAPES)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_warp_specialised_dkdv_kernel(rng, policy, monkeypatch, nan_outputs, hopper, dtype, shape, variant, sm_count, ring):
+def test_warp_specialised_dkdv_kernel(rng, policy, monkeypatch, launches, nan_outputs, hopper, dtype, shape, variant,
+                                     sm_count, ring):
     """The warp-specialised dK/dV kernel against the reference, and bit for bit against the
     one-block TMA build for dK and dV (the same steps on the same tiles, each key block's walk
     starting at the same query block); dQ sums the same shares in another order: within the
@@ -572,10 +567,7 @@ def test_warp_specialised_dkdv_kernel(rng, policy, monkeypatch, nan_outputs, hop
         return cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask, causal=causal, window=window)
 
     steps, launched = [], []
-    recording = launch.launch
-    monkeypatch.setattr(launch, "launch",
-                        lambda kernel, *args, **stream: (steps.append(getattr(kernel, "step", "dK/dV")),
-                                                         launched.append(args), recording(kernel, *args, **stream))[2])
+    launches(lambda kernel, arguments: (steps.append(getattr(kernel, "step", "dK/dV")), launched.append(arguments)))
     grads = backward()
     ws = hopper[-1]
     assert ws.ws and ws.block_sparse == block_sparse and ws.local == (causal or window is not None)
@@ -607,8 +599,8 @@ def test_warp_specialised_dkdv_kernel(rng, policy, monkeypatch, nan_outputs, hop
 @pytest.mark.parametrize("sm_count", [None, 3])
 @pytest.mark.parametrize("head_dim, kv_heads", [(64, 3), (128, 1)])
 @pytest.mark.parametrize("dtype", TC_DTYPES)
-def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, policy, monkeypatch, nan_outputs, hopper, dtype, head_dim,
-                                                                 kv_heads, sm_count):
+def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, policy, monkeypatch, launches, nan_outputs, hopper,
+                                                                 dtype, head_dim, kv_heads, sm_count):
     """On a mask with a column far longer than the rest (each key block seen by one query block,
     a global key block by all 8: class 3), the warp-specialised dK/dV kernel claims its items in
     the mask's dkdv_item_order, the global columns' first; each item's dK_j, dV_j must land where
@@ -634,10 +626,7 @@ def test_warp_specialised_dkdv_kernel_claims_long_columns_first(rng, policy, mon
     mask = BlockMask(dense)
     out, lse = cupyflash.block_sparse_attention(q, k, v, mask, return_lse=True)
     launched = []
-    recording = launch.launch
-    monkeypatch.setattr(launch, "launch",
-                        lambda kernel, *args, **stream: (launched.append((kernel, args)),
-                                                         recording(kernel, *args, **stream))[1])
+    launches(lambda kernel, arguments: launched.append((kernel, arguments)))
     grads = cupyflash.block_sparse_attention_backward(dout, q, k, v, out, lse, mask)
     ws = hopper[-1]
     assert ws.ws and ws.block_sparse

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 import numpy
 
@@ -56,8 +57,7 @@ class Decision:
         return self.kernels[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class Launch:
+class Launch(typing.NamedTuple):
     kernel: object
     grid: tuple
     args: tuple  # numpy arrays passed by value (the parameter struct first), or by address
@@ -573,7 +573,7 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
                 launches.append(Launch(kernel, grid, args))
 
         # (no clear with a ring: its slots are zero already)
-        add(preprocess, preprocess_grid, (record.params({**pointers, "dq_accum": 0}) if ring else image,))
+        add(preprocess, preprocess_grid, (record.params({**pointers, "dq_accum": 0}, copy=1) if ring else image,))
         add(dkdv, dkdv_grid, (image, *extra))
         if not ring:  # the ring's kernel rounds dq itself
             add(decision.dq, dq_grid, (image,))

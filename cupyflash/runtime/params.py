@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy
 
@@ -132,9 +133,8 @@ def image(dtype: numpy.dtype, fields: dict) -> numpy.ndarray:
 
 class LaunchRecord:
     """A launch's parameter struct with every field but its array pointers (and the per-call
-    values named with them: dropout's seed and offset) filled in, from which each call's struct is
-    a copy with the call's values written in; and the tensor maps made for the pointers seen lately
-    (a map holds its array's address)."""
+    values named with them: dropout's seed and offset) filled in, into which each call writes its
+    values; and the tensor maps made for the pointers seen lately (a map holds its array's address)."""
 
     # A model's layers share one problem and call it with their own arrays, at addresses that the
     # memory pools give back step after step: 8 kept sets were rebuilt on every call of a loop over
@@ -149,17 +149,27 @@ class LaunchRecord:
         # 4-byte fields a call writes too (dropout's offset), by their index in 32-bit words
         self.words = tuple((name, dtype.fields[name][1] // 4) for name in word_names)
         self.maps: dict = {}
+        self._local = threading.local()
 
-    def params(self, pointers: dict) -> numpy.ndarray:
-        """The struct (a one-element record of `dtype`) with these pointers (and 4-byte fields)."""
-        out = self.image.copy()
+    def params(self, pointers: dict, copy: int = 0) -> numpy.ndarray:
+        """The struct (a one-element record of `dtype`) with these pointers (and 4-byte fields):
+        this thread's own image (`copy` 0 or 1: a plan may take two), written in place. The driver
+        copies a launch's arguments when it is queued, so a struct is good until the thread's next
+        call of `params` for the same copy: a plan is launched before the next is bound. The same
+        array on every call is what lets runtime/launch.py keep each launch made ready."""
+        images = getattr(self._local, "images", None)
+        if images is None:
+            images = self._local.images = (self._own_image(), self._own_image())
+        words, halves, struct = images[copy]
         for name, slot in self.slots:
-            out[slot] = pointers[name]
-        if self.words:
-            words = out.view(numpy.uint32)
-            for name, slot in self.words:
-                words[slot] = pointers[name]
-        return out.view(self.dtype)
+            words[slot] = pointers[name]
+        for name, slot in self.words:
+            halves[slot] = pointers[name]
+        return struct
+
+    def _own_image(self) -> tuple:
+        words = self.image.copy()
+        return words, words.view(numpy.uint32), launch.pinned(words.view(self.dtype))
 
     def tensor_maps(self, key: tuple, make, pointers: dict):
         """make(fields)'s maps (or None) for `key`, which must hold every pointer they describe."""
