@@ -144,6 +144,18 @@ def test_warp_specialised_launch_takes_its_arguments(rng, device, density, ring)
         assert ("dq ring", 0, 7) not in workspace.ZEROED
 
 
+@pytest.mark.parametrize("head_dim,density", [(64, None), (128, 0.25)])
+def test_the_row_statistics_and_dq_share_one_allocation(rng, device, head_dim, density):
+    """A backward whose dK/dV kernel takes an unset dQ accumulator (the one-block TMA build, the
+    warp-specialised one without a ring) gets it in the row statistics' allocation: lse_log2, D
+    and dQ each at a 256-byte boundary, none overlapping."""
+    backward(device, rng, head_dim, density, seqlen=1000)
+    params = dkdv_launch(device)[3]
+    lse_log2, d, dq = (field(params, name) for name in ("lse_log2", "d", "dq_accum"))
+    assert d - lse_log2 == dq - d == 8192  # 2 heads x 1000 float32 rows: 8000 bytes, to 256
+    assert lse_log2 % 256 == 0
+
+
 def test_the_kept_ring_is_not_cleared_again(rng, device):
     """The stream's ring is made (zeroed) once; later calls of the same or a smaller size reuse it."""
     backward(device, rng, 64, 0.25)

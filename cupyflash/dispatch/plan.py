@@ -509,7 +509,7 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
 
         def bind(pointers, stream, owners):
             if not ring:
-                owner, pointers["dq_accum"] = stream.empty(dq_shape, accum)
+                owner, pointers["dq_accum"] = dq_workspace(pointers, stream)
             elif ring_kept:
                 owner, pointers["dq_accum"] = None, workspace.zeroed("dq ring", ring_elements, accum, stream)
             else:
@@ -526,7 +526,7 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
             counters = _address_argument(workspace.zeroed_counters(n_counters, stream))
             return ring, (candidate, grid, (maps, kv_maps, *scalars, counters, slots, order))
 
-        return bind
+        return bind, not ring
 
     def one_block_binder(candidate):
         """A one-block-per-key-tile dK/dV kernel's launch (the Hopper one with its BwdTensorMaps)."""
@@ -535,7 +535,7 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
 
         def bind(pointers, stream, owners):
             if not p.deterministic:
-                owner, pointers["dq_accum"] = stream.empty(dq_shape, accum)
+                owner, pointers["dq_accum"] = dq_workspace(pointers, stream)
                 owners.append(owner)
             extra = (launch.pinned(tma.NO_BWD_MAPS),) if hopper else ()
             if hopper and candidate.tma:
@@ -545,19 +545,30 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
                 extra = (maps,)
             return 0, (candidate, grid, extra)
 
-        return bind
+        return bind, not p.deterministic
 
     binders = [ws_binder(c) if getattr(c, "ws", False) else one_block_binder(c)
                for c in ((kernel,) if kernel is not None else decision.kernels)]
 
+    dq_elements = math.prod(dq_shape)
+    # The row statistics and, where the first kernel tried takes one, the dQ accumulator in one
+    # allocation (an allocator call is ~5 us of a call's host time), each at a 256-byte boundary
+    # as an array's own would be: lse_log2, D, dQ.
+    spare = dq_elements if binders[0][1] else 0
+
+    def dq_workspace(pointers, stream):
+        """(owner, address) of an unset dQ accumulator: the allocation's spare part where it has one."""
+        if pointers["dq_spare"]:
+            return None, pointers["dq_spare"]
+        return stream.empty(dq_shape, accum)
+
     def bind(pointers: dict, stream: workspace.Stream) -> Plan:
-        # The row statistics in one allocation (one allocator call fewer a backward), D at a
-        # 256-byte boundary as a vector's own would be.
-        owner, pointers["lse_log2"] = stream.empty(stats_offset + rows, accum)
+        owner, pointers["lse_log2"] = stream.empty(2 * stats_offset + spare, accum)
         pointers["d"] = pointers["lse_log2"] + stats_offset * accum.itemsize
+        pointers["dq_spare"] = pointers["lse_log2"] + 2 * stats_offset * accum.itemsize if spare else 0
         owners = [owner]
         pointers["dq_accum"] = 0
-        for binder in binders:
+        for binder, _ in binders:
             chosen = binder(pointers, stream, owners)
             if chosen is not None:
                 break

@@ -55,7 +55,7 @@ def attention(
     args = None if block_mask is not None else _operator_args(
         q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset, deterministic)
     if args is not None:  # (the operator draws an absent dropout seed itself: torch.compile traces it whole)
-        out, lse, _ = _AttentionOperator.apply(*args) if _needs_grad(q, k, v) else _attention_forward(*args)
+        out, lse, _ = _AttentionOperator.apply(*args) if _needs_grad(q, k, v) else _run(_attention_forward, *args)
     else:
         seed, offset = dropout_seed(dropout_p, seed, offset, q)
         options = Options(causal=causal, scale=scale, deterministic=deterministic, block_mask=block_mask,
@@ -81,7 +81,7 @@ def attention_varlen(
     if (args is not None and all(isinstance(c, torch.Tensor) for c in lengths[:2])
             and all(m is None or calls.is_int(m) for m in lengths[2:])):
         args = (*args[:3], *lengths, *args[3:])
-        out, lse = _VarlenOperator.apply(*args) if _needs_grad(q, k, v) else _attention_varlen_forward(*args)
+        out, lse = _VarlenOperator.apply(*args) if _needs_grad(q, k, v) else _run(_attention_varlen_forward, *args)
     else:
         out, lse = _eager(FlashAttentionVarlenFunction.apply)(q, k, v, *lengths, causal, scale, deterministic, window,
                                                               softcap, alibi_slopes, (dropout_p, seed, offset))
@@ -172,7 +172,25 @@ def _operator(function, mutates_args=()):
     _LIBRARY.define(name + torch.library.infer_schema(function, mutates_args=mutates_args))
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(name, function, key)
-    return getattr(torch.ops.cupyflash, name).default
+    operator = getattr(torch.ops.cupyflash, name).default
+    if not mutates_args:  # (the dispatcher bumps a written tensor's version: decode's caches take it)
+        _IMPLEMENTATIONS[operator] = function
+    return operator
+
+
+_IMPLEMENTATIONS: dict = {}  # operator -> its implementation, for the operators that write no tensor
+
+
+def _run(operator, *args):
+    """operator(*args); in plain eager mode its implementation called directly, as the dispatcher
+    would on plain CPU or CUDA tensors (its way into Python and back took ~9 us a call on the H200's
+    host, twice a training step). Traced by torch.compile, under a dispatch mode (FakeTensorMode,
+    FlopCounterMode), under functorch transforms or with tensor subclasses, the operator itself."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active() or type(args[0]) is not torch.Tensor
+            or type(args[1]) is not torch.Tensor):
+        return operator(*args)
+    return _IMPLEMENTATIONS[operator](*args)
 
 
 def _window_args(window) -> tuple:
@@ -271,7 +289,7 @@ class _AttentionOperator(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, *options):
-        out, lse, rng_state = _attention_forward(q, k, v, *options)
+        out, lse, rng_state = _run(_attention_forward, q, k, v, *options)
         _save(ctx, (q, k, v, out, lse, rng_state), options, lse, rng_state)
         return out, lse, rng_state
 
@@ -281,8 +299,8 @@ class _AttentionOperator(torch.autograd.Function):
             return (None,) * (3 + len(ctx.options))
         q, k, v, out, lse, rng_state = ctx.saved_tensors
         causal, scale, windowed, left, right, softcap, slopes, dropout_p, _seed, _offset, deterministic = ctx.options
-        grads = _attention_backward(dout, q, k, v, out, lse, causal, scale, windowed, left, right, softcap, slopes,
-                                    dropout_p, rng_state, deterministic)
+        grads = _run(_attention_backward, dout, q, k, v, out, lse, causal, scale, windowed, left, right, softcap,
+                     slopes, dropout_p, rng_state, deterministic)
         return (*grads,) + (None,) * len(ctx.options)
 
 
@@ -386,7 +404,7 @@ class _VarlenOperator(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, *options):
-        out, lse = _attention_varlen_forward(q, k, v, *options)
+        out, lse = _run(_attention_varlen_forward, q, k, v, *options)
         _save(ctx, (q, k, v, out, lse), options, lse)
         return out, lse
 
@@ -395,7 +413,7 @@ class _VarlenOperator(torch.autograd.Function):
         if dout is None:
             return (None,) * (3 + len(ctx.options))
         q, k, v, out, lse = ctx.saved_tensors
-        grads = _attention_varlen_backward(dout, q, k, v, out, lse, *ctx.options)
+        grads = _run(_attention_varlen_backward, dout, q, k, v, out, lse, *ctx.options)
         return (*grads,) + (None,) * len(ctx.options)
 
 
@@ -418,7 +436,7 @@ def attention_backward(
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
         return _eager(calls.backward)(dout, q, k, v, out, lse, options)
     state = _rng_state(q, args[10], seed, offset)
-    return _attention_backward(dout, *args[:3], out, lse, *args[3:11], state, deterministic)
+    return _run(_attention_backward, dout, *args[:3], out, lse, *args[3:11], state, deterministic)
 
 
 def attention_decode(
