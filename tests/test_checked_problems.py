@@ -2,7 +2,9 @@
 records: what a repeated call may skip, and what it may not. Runs anywhere (the CPU fallback
 without a GPU, the kernels with one)."""
 
+import ctypes
 import gc
+import types
 import weakref
 
 import numpy
@@ -255,3 +257,57 @@ def test_launch_arguments_go_by_their_arrays_addresses():
     for x in (record, record.view(numpy.uint64).copy().view(record.dtype), tma.NO_MAPS,
               numpy.array(7, numpy.int32), frozen, numpy.zeros(0, numpy.uint8), numpy.zeros((4, 4), numpy.uint32)[:, ::2]):
         assert launch._address(x) == x.ctypes.data
+
+
+def test_a_launch_records_struct_is_its_threads_own():
+    """Each thread writes its pointers into its own struct (two copies, for a plan that takes two),
+    the same array call after call within a thread: one thread's call cannot change another's."""
+    import threading
+
+    record = params.LaunchRecord(FWD_PARAMS_DTYPE, dict.fromkeys(FWD_PARAMS_DTYPE.names, 0), ("q",))
+    first = record.params({"q": 1})
+    assert record.params({"q": 2}) is first and field(first, "q") == 2
+    second = record.params({"q": 3}, copy=1)
+    assert second is not first and (field(first, "q"), field(second, "q")) == (2, 3)
+    theirs = []
+    thread = threading.Thread(target=lambda: theirs.append(record.params({"q": 4})))
+    thread.start()
+    thread.join()
+    assert theirs[0] is not first and field(theirs[0], "q") == 4 and field(first, "q") == 2
+
+
+def field(struct, name: str) -> int:
+    return int(struct[name][0])
+
+
+def test_a_launch_is_made_ready_once_for_its_arrays(monkeypatch):
+    """launch.run passes the driver each launch's function, grid, block and shared memory and the
+    address of an array holding its arguments' addresses; the same kernel, grid and argument arrays
+    again reuse that array (a struct written since is read at its address), other arrays or
+    another grid get their own."""
+    from cupyflash.dispatch.plan import Launch, Plan
+
+    monkeypatch.setattr(launch, "_READY", {})
+    calls = []
+    driver = types.SimpleNamespace(launchKernel=lambda *args: calls.append(args))
+    monkeypatch.setattr(launch, "_driver", lambda: driver)
+    monkeypatch.setattr(launch, "_function_pointer", lambda kernel, device_id: 1000 + device_id)
+    kernel = types.SimpleNamespace(num_threads=128, smem_bytes=4096)
+    record = params.LaunchRecord(FWD_PARAMS_DTYPE, dict.fromkeys(FWD_PARAMS_DTYPE.names, 0), ("q",))
+    maps = launch.pinned(numpy.arange(16, dtype=numpy.uint8))
+
+    def arguments_of(call):
+        """The addresses the call's argument array holds."""
+        return list(numpy.ctypeslib.as_array(ctypes.cast(call[9], ctypes.POINTER(ctypes.c_uint64)), (2,)))
+
+    for q in (5, 6):
+        launch.run(Plan(None, 3, [Launch(kernel, (4, 2), (record.params({"q": q}), maps))], ()), stream=77)
+    struct = record.params({"q": 6})
+    assert calls[0][:9] == (1003, 4, 2, 1, 128, 1, 1, 4096, 77) and calls[0][10] == 0
+    assert calls[1] == calls[0] and len(launch._READY) == 1
+    assert arguments_of(calls[0]) == [struct.ctypes.data, maps.ctypes.data]
+    other = launch.pinned(numpy.arange(16, dtype=numpy.uint8))
+    launch.run(Plan(None, 3, [Launch(kernel, (4, 2), (struct, other)), Launch(kernel, (8, 1), (struct, maps))], ()),
+               stream=77)
+    assert len(launch._READY) == 3 and calls[3][1:3] == (8, 1)
+    assert arguments_of(calls[2]) == [struct.ctypes.data, other.ctypes.data]
