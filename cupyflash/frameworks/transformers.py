@@ -169,9 +169,12 @@ def _padded(q, k, v, unpadding: tuple, options):
     (`_unpadding`), packed; rows of padding queries get 0."""
     batch, seqlen_q = q.shape[:2]
     key_rows, query_rows, cu_seqlens_q, cu_seqlens_k = unpadding
+    # (index_select, not x[rows]: its gradient is an index_add of distinct rows, where indexing's
+    # is index_put with accumulate, which sorts the rows on CUDA)
     packed = adapter.attention_varlen(
-        q.reshape(batch * seqlen_q, *q.shape[2:])[query_rows], k.reshape(-1, *k.shape[2:])[key_rows],
-        v.reshape(-1, *v.shape[2:])[key_rows], cu_seqlens_q, cu_seqlens_k, **options)
+        q.reshape(batch * seqlen_q, *q.shape[2:]).index_select(0, query_rows),
+        k.reshape(-1, *k.shape[2:]).index_select(0, key_rows), v.reshape(-1, *v.shape[2:]).index_select(0, key_rows),
+        cu_seqlens_q, cu_seqlens_k, **options)
     out = packed.new_zeros((batch * seqlen_q, *packed.shape[1:]))
     out = out.index_copy(0, query_rows, packed)
     return out.reshape(batch, seqlen_q, *packed.shape[1:])
