@@ -159,7 +159,9 @@ class LaunchRecord:
         array on every call is what lets runtime/launch.py keep each launch made ready."""
         images = getattr(self._local, "images", None)
         if images is None:
-            images = self._local.images = (self._own_image(), self._own_image())
+            images = self._local.images = [None, None]
+        if images[copy] is None:  # (a record made for one call, as varlen's are, makes one)
+            images[copy] = self._own_image()
         words, halves, struct = images[copy]
         for name, slot in self.slots:
             words[slot] = pointers[name]
