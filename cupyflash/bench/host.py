@@ -6,7 +6,9 @@ On a tiny problem (batch 1, seqlen 128, 2 heads, head_dim 128, bfloat16) the GPU
 microseconds, so 2000 back-to-back calls run at the host's pace: the wall time per call is the
 launch overhead (validation, argument packing, kernel launches). PyTorch SDPA's forward on the
 same tensors is printed for scale, and cupyflash.torch's forward (the adapter) beside it; with
---profile, the top functions of a cProfile run follow.
+--profile, the top functions of a cProfile run follow. The "cupy floor" line allocates a forward's
+two results with cupy.empty and launches one empty kernel, as cupyflash launches: the least any
+forward on CuPy arrays costs on the host.
 
 The "train" lines time a training step, forward then `out.backward(dout)` (bfloat16, causal), at
 (1, 256, 8, 64) and (4, 1024, 16, 128): PyTorch SDPA, cupyflash.torch.attention and
@@ -86,6 +88,7 @@ def main(args):
             q, k, v, mask, return_lse=True)),
         "block_sparse bwd": each(lambda q, k, v, dout, out, lse: cupyflash.block_sparse_attention_backward(
             dout, q, k, v, out, lse, mask)),
+        "cupy floor (2 cupy.empty, 1 launch)": each(_cupy_floor()),
     }
     try:
         import torch
@@ -125,6 +128,31 @@ def main(args):
             print(text.getvalue())
     return 0
 
+
+
+def _cupy_floor():
+    """call(q, k, v, dout, out, lse) that does only what any CuPy function with a forward's results
+    must: allocate out and lse (cupy.empty), write their addresses into kept kernel arguments and
+    launch one kernel (an empty one) on CuPy's current stream through cuLaunchKernel, as cupyflash
+    launches: the least a forward on CuPy arrays can cost on this host."""
+    import cupy
+
+    kernel = cupy.RawKernel('extern "C" __global__ void cupyflash_bench_nothing(void* o, void* lse) {}',
+                            "cupyflash_bench_nothing")
+    function = kernel.kernel.ptr
+    arguments = numpy.zeros(2, numpy.uint64)  # the kernel's two pointers, passed by value
+    addresses = numpy.array([arguments.ctypes.data, arguments.ctypes.data + 8], numpy.uint64)
+    address = addresses.ctypes.data
+    driver = cupy.cuda.driver
+
+    def call(q, k, v, dout, out, lse):
+        o, l = cupy.empty(q.shape, q.dtype), cupy.empty(lse.shape, lse.dtype)
+        arguments[0], arguments[1] = o.data.ptr, l.data.ptr
+        driver.launchKernel(function, 1, 1, 1, 32, 1, 1, 0, cupy.cuda.get_current_stream().ptr, address, 0)
+        return o, l
+
+    call.keep = (kernel, arguments, addresses)  # (alive as long as the call)
+    return call
 
 
 def _timed(calls: int, fn) -> float:
