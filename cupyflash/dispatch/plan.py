@@ -550,11 +550,9 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
     binders = [ws_binder(c) if getattr(c, "ws", False) else one_block_binder(c)
                for c in ((kernel,) if kernel is not None else decision.kernels)]
 
-    dq_elements = math.prod(dq_shape)
     # The row statistics and, where the first kernel tried takes one, the dQ accumulator in one
-    # allocation (an allocator call is ~5 us of a call's host time), each at a 256-byte boundary
-    # as an array's own would be: lse_log2, D, dQ.
-    spare = dq_elements if binders[0][1] else 0
+    # allocation (an allocator call is ~5 us of host time), each at a 256-byte boundary: lse_log2, D, dQ.
+    spare = math.prod(dq_shape) if binders[0][1] else 0
 
     def dq_workspace(pointers, stream):
         """(owner, address) of an unset dQ accumulator: the allocation's spare part where it has one."""

@@ -206,41 +206,31 @@ def prepared_backward(dout, q, k, v, out, lse, options: tuple, seed, offset):
     return _prepared_backward_call(key, (dout, q, k, v, out, lse), check, values)
 
 
-def _prepared_varlen_forward(q, k, v, lengths: tuple, options: dict):
-    """out, lse of a varlen forward without ALiBi slopes through its signature's prepared call, the
-    lengths' values (host copies) part of the signature; None where it takes the generic path."""
-    signed = _varlen_key("torch varlen forward", (q, k, v), lengths, options, ())
+def _prepared_varlen(kind: str, tensors: tuple, lengths: tuple, options: dict):
+    """A varlen call without ALiBi slopes through its signature's prepared call, the lengths' values
+    (host copies) part of the signature: kind "forward" (tensors q, k, v; returns out, lse) or
+    "backward" (dout, q, k, v, out, lse; returns dq, dk, dv). None where it takes the generic path."""
+    forward = kind == "forward"
+    more = () if forward else (options["deterministic"],)
+    signed = _varlen_key(f"torch varlen {kind}", tensors, lengths, options, more)
     if signed is None:
         return None
     key, values = signed
     cu_q, cu_k, max_q, max_k = lengths
 
     def check(arrays, origins):
-        p = validation.check_varlen_args(
-            *arrays.values(), cu_q, cu_k, max_q, max_k, causal=options["causal"], scale=options["scale"],
-            return_lse=True, window=options["window"], softcap=options["softcap"])
+        flags = dict(causal=options["causal"], scale=options["scale"], window=options["window"],
+                     softcap=options["softcap"])
+        if forward:
+            p = validation.check_varlen_args(*arrays.values(), cu_q, cu_k, max_q, max_k, return_lse=True, **flags)
+        else:
+            p = validation.check_varlen_backward_args(*arrays.values(), cu_q, cu_k, max_q, max_k,
+                                                      deterministic=options["deterministic"], **flags)
         return validation.check_dropout(options["dropout_p"], options["seed"], options["offset"], p)
 
-    return _prepared_forward_call(key, q, k, v, check, values)
-
-
-def _prepared_varlen_backward(dout, q, k, v, out, lse, lengths: tuple, options: dict):
-    """dq, dk, dv of a varlen backward through its signature's prepared call, as
-    `_prepared_varlen_forward`."""
-    signed = _varlen_key("torch varlen backward", (dout, q, k, v, out, lse), lengths, options,
-                         (options["deterministic"],))
-    if signed is None:
-        return None
-    key, values = signed
-    cu_q, cu_k, max_q, max_k = lengths
-
-    def check(arrays, origins):
-        p = validation.check_varlen_backward_args(
-            *arrays.values(), cu_q, cu_k, max_q, max_k, causal=options["causal"], scale=options["scale"],
-            deterministic=options["deterministic"], window=options["window"], softcap=options["softcap"])
-        return validation.check_dropout(options["dropout_p"], options["seed"], options["offset"], p)
-
-    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check, values)
+    if forward:
+        return _prepared_forward_call(key, *tensors, check, values)
+    return _prepared_backward_call(key, tensors, check, values)
 
 
 def _varlen_key(kind: str, tensors: tuple, lengths: tuple, options: dict, more: tuple):
@@ -415,7 +405,7 @@ def _varlen_lengths(lengths: tuple) -> tuple:
 def varlen_forward(q, k, v, cu_seqlens, options: dict) -> tuple:
     cu_seqlens = _varlen_lengths(cu_seqlens)
     if all(isinstance(x, torch.Tensor) for x in (q, k, v)):
-        results = _prepared_varlen_forward(q, k, v, cu_seqlens, _all_varlen_options(options))
+        results = _prepared_varlen("forward", (q, k, v), cu_seqlens, _all_varlen_options(options))
         if results is not None:
             return results
     q, k, v = (x.detach() for x in (q, k, v))
@@ -430,7 +420,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens, options: dict) -> tuple
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if all(isinstance(x, torch.Tensor) for x in (q, k, v, out, lse)):
-        grads = _prepared_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, _all_varlen_options(options))
+        grads = _prepared_varlen("backward", (dout, q, k, v, out, lse), cu_seqlens, _all_varlen_options(options))
         if grads is not None:
             return grads
     inputs = (q, k, v)
