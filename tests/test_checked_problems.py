@@ -140,9 +140,9 @@ def test_the_cache_keeps_a_bounded_number_of_problems(rng, cache, monkeypatch):
 
 @pytest.mark.parametrize("dtype,pointers,words", [
     (FWD_PARAMS_DTYPE, ("q", "k", "v", "o", "lse"), ()),
-    (FWD_PARAMS_DTYPE, ("q", "k", "v", "o", "lse", "dropout_seed"), ("dropout_offset",)),
+    (FWD_PARAMS_DTYPE, ("q", "k", "v", "o", "lse", "dropout_seed", "dropout_state"), ("dropout_offset",)),
     (BWD_PARAMS_DTYPE, ("lse", "lse_log2", "d", "dq_accum", "q", "k", "v", "o", "dout", "dq", "dk", "dv"), ()),
-    (BWD_PARAMS_DTYPE, ("q", "dq", "dropout_seed"), ("dropout_offset",)),
+    (BWD_PARAMS_DTYPE, ("q", "dq", "dropout_seed", "dropout_state"), ("dropout_offset",)),
 ])
 def test_a_launch_record_writes_each_calls_pointers(rng, dtype, pointers, words):
     """The struct a record gives for new pointers (and 4-byte values: dropout's offset, which shares

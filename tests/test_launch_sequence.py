@@ -228,3 +228,4 @@ def test_every_launch_takes_the_calls_dropout_seed_and_offset(rng, device):
         for *_, params in device.launches:
             assert (field(params, "dropout_seed"), field(params, "dropout_offset")) == (seed, offset)
             assert field(params, "dropout_threshold") == philox.threshold(0.1)
+            assert field(params, "dropout_state") == 0  # (by value: no device seed and offset)

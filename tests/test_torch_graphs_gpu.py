@@ -1,8 +1,9 @@
 """CUDA graphs of the torch adapter's calls in torch's default capture mode ("global": while the
 capture runs, no thread may make a CUDA call that could synchronise), forward and backward, for
-each family: dense, GQA, windows, softcap, block-sparse, varlen with max_seqlen given, decoding.
-A replay on new inputs equals an eager call on them bit for bit (deterministic=True); a function
-compiled with torch.compile(mode="reduce-overhead") equals eager."""
+each family: dense, GQA, windows, softcap, block-sparse, varlen with max_seqlen given, decoding,
+dropout. A replay on new inputs equals an eager call on them bit for bit (deterministic=True;
+dropout's replays each with the seed and offset it drew); a function compiled with
+torch.compile(mode="reduce-overhead") equals eager."""
 
 import numpy
 import pytest
@@ -112,3 +113,35 @@ def test_reduce_overhead_compiles_a_training_step_that_equals_eager():
     assert torch.equal(got.view(torch.int16), want.detach().view(torch.int16))
     for a, x in zip(grads, (q, k, v)):
         assert torch.equal(a.view(torch.int16), x.grad.view(torch.int16))
+
+
+def test_dropout_replays_draw_fresh_masks_that_their_backward_reuses():
+    """Dropout from torch's generator (no seed) in a captured training step: each replay draws its
+    (seed, offset) on the device, so the masks differ from replay to replay, and a replay's output
+    and gradients equal, bit for bit, an eager step given the seed and offset it drew."""
+    q, k, v = tensors((2, 200, 4, 64), (2, 200, 4, 64), (2, 200, 4, 64))
+    (dout,) = tensors((2, 200, 4, 64), grad=False)
+    states = []
+
+    def step(**seeded):
+        out = cupyflash.torch.attention(q, k, v, causal=True, dropout_p=0.25, deterministic=True, **seeded)
+        states.append(out.grad_fn.saved_tensors[5])  # (the forward's rng_state: on the device when captured)
+        out.backward(dout)
+        return out, q.grad, k.grad, v.grad
+
+    graph, static = captured(torch, step, (q, k, v))
+    state = states[-1]
+    assert state.is_cuda and state.shape == (2,)
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(([x.clone() for x in static], state.tolist()))
+    (first, drawn), (second, drawn_again) = replays
+    assert drawn != drawn_again and not torch.equal(first[0], second[0])
+    for outputs, (seed, offset) in replays:
+        for x in (q, k, v):
+            x.grad = None
+        eager = step(seed=seed, offset=offset % 2**32)
+        for i, (a, b) in enumerate(zip(outputs, eager)):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"output {i}"

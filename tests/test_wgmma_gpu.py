@@ -247,9 +247,13 @@ def _tma_inputs(rng, dtype, shape):
     return q, k, v
 
 
-# (causal, window, block-sparse): dense; block-sparse; causal (local); a window, with a block mask.
-TMA_VARIANTS = {"dense": (False, None, False), "block-sparse": (False, None, True), "causal": (True, None, False),
-                "window-block-sparse": (False, (90, 17), True)}
+# (causal, window, block-sparse, score modifiers): dense; block-sparse; causal (local); a window,
+# with a block mask; causal with a softcap (the score-modifier build).
+TMA_VARIANTS = {"dense": (False, None, False, {}), "block-sparse": (False, None, True, {}),
+                "causal": (True, None, False, {}), "window-block-sparse": (False, (90, 17), True, {}),
+                "causal-softcap": (True, None, False, {"softcap": 5.0})}
+# The warp-specialised dK/dV kernel has no score-modifier build (kernels/sm90/bwd_ws.cu).
+DKDV_VARIANTS = [name for name, (*_, mods) in TMA_VARIANTS.items() if not mods]
 
 
 @pytest.mark.parametrize("variant", list(TMA_VARIANTS))
@@ -260,7 +264,7 @@ def test_tma_build_equals_the_cp_async_build(rng, policy, monkeypatch, nan_outpu
     compute the same arithmetic on them: at the same tile, outputs equal bit for bit. The cp.async
     build the API takes with the TMA off (at d128 unmasked another tile than the TMA build's,
     tiles.WGMMA_FWD_UNMASKED_TMA_TILES) is within the reference's tolerance."""
-    causal, window, block_sparse = TMA_VARIANTS[variant]
+    causal, window, block_sparse, mods = TMA_VARIANTS[variant]
     policy(ws_forward=False)  # (test_warp_specialised_forward)
     q, k, v = _tma_inputs(rng, dtype, shape)
     assert not k.flags.c_contiguous
@@ -270,20 +274,37 @@ def test_tma_build_equals_the_cp_async_build(rng, policy, monkeypatch, nan_outpu
 
     def forward():
         if mask is None:
-            return cupyflash.attention(q, k, v, causal=causal, window=window, return_lse=True)
+            return cupyflash.attention(q, k, v, causal=causal, window=window, return_lse=True, **mods)
         return cupyflash.block_sparse_attention(q, k, v, mask, causal=causal, window=window, return_lse=True)
 
     out, lse = forward()
     tma = hopper[-1]
-    assert tma.tma and tma.block_sparse == block_sparse and tma.local == (causal or window is not None)
-    assert_matches_reference(q, k, v, out, lse, dtype, causal, block_mask=mask, window=window)
+    assert tma.tma and tma.block_sparse == block_sparse and tma.score_mod == bool(mods)
+    assert tma.local == (causal or window is not None or bool(mods))
+    assert_matches_reference(q, k, v, out, lse, dtype, causal, block_mask=mask, window=window, **mods)
     policy(tma=False)
     out_cp, lse_cp = forward()
     assert not hopper[-1].tma and dataclasses.replace(tma, tma=False) == hopper[-1]
-    assert_matches_reference(q, k, v, out_cp, lse_cp, dtype, causal, block_mask=mask, window=window)
+    assert_matches_reference(q, k, v, out_cp, lse_cp, dtype, causal, block_mask=mask, window=window, **mods)
 
     twin = dataclasses.replace(tma, tma=False, tile_override=tma.tile)
-    assert_build_gives_the_same_bits(twin, q, k, v, out, lse, mask, causal=causal, window=window)
+    assert_build_gives_the_same_bits(twin, q, k, v, out, lse, mask, causal=causal, window=window, **mods)
+
+
+@pytest.mark.parametrize("mods", [{"alibi_slopes": "slopes"}, {"dropout_p": 0.2, "seed": 11, "offset": 3},
+                                  {"softcap": 8.0, "alibi_slopes": "slopes", "dropout_p": 0.1, "seed": 5}],
+                         ids=["alibi", "dropout", "all three"])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_tma_forward_with_score_modifiers(rng, policy, nan_outputs, hopper, dtype, mods):
+    """ALiBi, dropout (its keep mask as the reference draws it) and all three with a softcap, on the
+    TMA forward's score-modifier build, within the tolerance rule at an awkward shape."""
+    policy(ws_forward=False)
+    q, k, v = _tma_inputs(rng, dtype, TMA_SHAPES[1])
+    if "alibi_slopes" in mods:
+        mods = {**mods, "alibi_slopes": rng.uniform(0.01, 0.5, q.shape[2]).astype(numpy.float32)}
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True, **mods)
+    assert hopper[-1].tma and hopper[-1].score_mod
+    assert_matches_reference(q, k, v, out, lse, dtype, True, **mods)
 
 
 def assert_build_gives_the_same_bits(kernel, q, k, v, out, lse, mask, **options):
@@ -515,7 +536,7 @@ WS_BWD_SHAPES = [(2, 70, 1, 4, 2, 64), (2, 1, 17, 3, 3, 40), (2, 203, 331, 4, 2,
 
 
 @pytest.mark.parametrize("sm_count, ring", [(None, 0), (None, 1), (1, 0), (3, 2)])
-@pytest.mark.parametrize("variant", list(TMA_VARIANTS))
+@pytest.mark.parametrize("variant", DKDV_VARIANTS)
 @pytest.mark.parametrize("shape", WS_BWD_SHAPES)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_warp_specialised_dkdv_kernel(rng, policy, monkeypatch, launches, nan_outputs, hopper, dtype, shape, variant,
@@ -549,7 +570,7 @@ def test_warp_specialised_dkdv_kernel(rng, policy, monkeypatch, launches, nan_ou
     # whole workspace, as below the policy's ring_min_steps).
     policy(ring_min_steps=float("inf") if sm_count == 1 else 0.0)
     rounds_dq = tiles.padded_head_dim(shape[5]) in current().ring_head_dims and sm_count != 1
-    causal, window, block_sparse = TMA_VARIANTS[variant]
+    causal, window, block_sparse, _ = TMA_VARIANTS[variant]
     q, k, v = _tma_inputs(rng, dtype, shape)
     q, dout = _strided_like(rng, q), _strided_like(rng, q)
     mask = None

@@ -95,11 +95,13 @@ def forward_kernel(family: str, dtype_name: str, head_dim: int, variant: Variant
     d = _sm90_head_dim(dtype_name, head_dim, family)
     if family == "sm90":
         return WgmmaFwdKernel(dtype_name, d, v.local, **fields)
-    if v.score_mod or v.varlen:
-        raise Unavailable("no builds with softcap, ALiBi, dropout or variable lengths")
+    if v.varlen:
+        raise Unavailable("no builds for variable lengths")
     if family == "sm90-tma":
-        return WgmmaFwdKernel(dtype_name, d, v.local, block_sparse=v.block_sparse, tma=True)
+        return WgmmaFwdKernel(dtype_name, d, v.local, block_sparse=v.block_sparse, score_mod=v.score_mod, tma=True)
     if family == "sm90-ws":
+        if v.score_mod:
+            raise Unavailable("no builds with softcap, ALiBi or dropout")
         if v.local:
             raise Unavailable("no causal or windowed build")
         return WgmmaFwdWsKernel(dtype_name, d, False, block_sparse=v.block_sparse)

@@ -15,9 +15,10 @@ _MASK_FIELDS = [("mask_batch_stride", "i8"), ("mask_head_stride", "i8")] + [
 # Variable-length batches' pointers, last in both structs (zero: a fixed-length batch).
 _VARLEN_FIELDS = [("cu_seqlens_q", "u8"), ("cu_seqlens_k", "u8"), ("seqused_k", "u8")]
 
-# Dropout's, after those (zero: no dropout, dropout_rescale 1).
+# Dropout's, after those (zero: no dropout, dropout_rescale 1; dropout_state: nullptr, the seed and
+# offset by value).
 _DROPOUT_FIELDS = [("dropout_seed", "u8"), ("dropout_offset", "u4"), ("dropout_threshold", "u4"),
-                   ("dropout_rescale", "f8")]
+                   ("dropout_rescale", "f8"), ("dropout_state", "u8")]
 
 # The problem's int fields, after the pointers and strides of both structs.
 _SHAPE_FIELDS = ("heads", "seqlen_q", "seqlen_k", "head_dim", "kv_group", "band_first", "band_last")

@@ -151,8 +151,8 @@ class WgmmaFwdKernel(TcKernel):
     compile_options = _SM90_OPTIONS
 
     def __post_init__(self):
-        if self.tma and (self.score_mod or self.varlen or self.head_dim not in tiles.TMA_FORWARD_HEAD_DIMS):
-            raise ValueError(f"the Hopper forward's TMA builds have no score modifiers and no packed sequences, "
+        if self.tma and (self.varlen or self.head_dim not in tiles.TMA_FORWARD_HEAD_DIMS):
+            raise ValueError(f"the Hopper forward's TMA builds have no packed sequences, "
                              f"at head dims {tiles.TMA_FORWARD_HEAD_DIMS}; not {self}")
 
     @functools.cached_property

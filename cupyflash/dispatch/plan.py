@@ -213,13 +213,15 @@ def plan_forward(p: AttentionProblem, q, k, v, out, lse, policy: policies.Policy
     return bind(pointers, stream or workspace.cupy_stream())
 
 
-def dropout_values(p: AttentionProblem) -> dict:
+def dropout_values(p: AttentionProblem, state: int = 0) -> dict:
     """The per-call values a bind of a problem with dropout takes beside the pointers: its seed and
-    offset (which change from call to call; the rest of dropout is in the struct)."""
-    return {"dropout_seed": p.seed, "dropout_offset": p.offset} if p.dropout else {}
+    offset (which change from call to call; the rest of dropout is in the struct), and the address
+    of a device (seed, offset) that the kernels read in their place (0: none)."""
+    return {"dropout_seed": p.seed, "dropout_offset": p.offset, "dropout_state": state} if p.dropout else {}
 
 
-_SEED = {False: (), True: ("dropout_seed",)}  # the 8-byte and the 4-byte per-call fields, by p.dropout
+# the 8-byte and the 4-byte per-call fields, by p.dropout
+_SEED = {False: (), True: ("dropout_seed", "dropout_state")}
 _OFFSET = {False: (), True: ("dropout_offset",)}
 
 

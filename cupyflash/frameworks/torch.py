@@ -212,8 +212,18 @@ def _attention_forward(
     window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
     alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int], offset: int, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    prepared = alibi_slopes is None and q.is_cuda
+    if prepared and dropout_p > 0 and seed is None and torch.cuda.is_current_stream_capturing():
+        # A captured call: (seed, offset) drawn on the device from torch's generator, which draws
+        # afresh on each replay of the graph (as torch's own dropout under graphs); the kernels
+        # read them there, and the backward reads this rng_state on the device too.
+        state = torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=q.device)
+        results = calls.prepared_forward(q, k, v, (causal, scale, windowed, window_left, window_right, softcap,
+                                                   dropout_p), 0, 0, state)
+        if results is not None:
+            return (*results, state)
     seed, offset = dropout_seed(dropout_p, seed, offset, q)
-    if alibi_slopes is None and q.is_cuda:
+    if prepared:
         results = calls.prepared_forward(q, k, v, (causal, scale, windowed, window_left, window_right, softcap, dropout_p),
                                     seed, offset)
         if results is not None:
@@ -228,8 +238,9 @@ _attention_forward = _operator(_attention_forward)
 
 def _rng_state(q, dropout_p, seed, offset) -> torch.Tensor:
     """With dropout, the seed and offset the forward drew (from torch's generator where none was
-    given) as a host tensor the backward operator reads them from; without, an empty tensor on q's
-    device (no host tensor in a graph that CUDA graphs capture, no copy)."""
+    given) as a host tensor the backward operator reads them from (a captured call's are drawn on
+    the device, and stay there); without, an empty tensor on q's device (no host tensor in a graph
+    that CUDA graphs capture, no copy)."""
     if dropout_p > 0:
         return torch.tensor([seed, offset], dtype=torch.int64)
     return q.new_empty((0,), dtype=torch.int64)
@@ -256,12 +267,17 @@ def _attention_backward(
     softcap: Optional[float], alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng_state: torch.Tensor,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    seed, offset = _drawn(dropout_p, rng_state)
+    on_device = dropout_p > 0 and rng_state.is_cuda  # (a captured forward's)
+    seed, offset = (0, 0) if on_device else _drawn(dropout_p, rng_state)
     if alibi_slopes is None and q.is_cuda:
         grads = calls.prepared_backward(dout, q, k, v, out, lse, (causal, scale, windowed, window_left, window_right,
-                                                             softcap, deterministic, dropout_p), seed, offset)
+                                                             softcap, deterministic, dropout_p), seed, offset,
+                                        rng_state if on_device else None)
         if grads is not None:
             return grads
+    if on_device:  # (the full path takes them on the host)
+        seed, offset = _drawn(dropout_p, rng_state)
+        offset %= 2**32
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
                                 seed, offset, deterministic)
     return calls.backward(dout, q, k, v, out, lse, options)

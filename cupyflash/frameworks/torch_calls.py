@@ -157,13 +157,14 @@ def _torch_stream(index: int) -> workspace.Stream:
     return workspace.Stream(ptr, index, capturing, *_allocators(index), graph_pool=True)
 
 
-def prepared_forward(q, k, v, options: tuple, seed, offset):
+def prepared_forward(q, k, v, options: tuple, seed, offset, state=None):
     """out, lse of the dense forward operator through the signature's prepared call (made by this
     call if it is the first), or None where the tensors are not the kernels' to read in place (or
     dropout's seed or offset is out of range: the checks name it). Dropout's probability is part of
-    the signature, its seed and offset the call's own."""
+    the signature, its seed and offset the call's own; `state`, a CUDA int64 tensor (seed, offset),
+    is read by the kernels in their place."""
     causal, scale, windowed, left, right, softcap, dropout_p = options
-    values = _dropout_values(dropout_p, seed, offset)
+    values = _dropout_values(dropout_p, seed, offset, state)
     if values is None:
         return None
 
@@ -176,23 +177,24 @@ def prepared_forward(q, k, v, options: tuple, seed, offset):
                                   q, k, v, check, values)
 
 
-def _dropout_values(dropout_p, seed, offset):
-    """The seed and offset a prepared bind writes (none without dropout), or None where they are out
-    of the kernels' range (the full path's checks then say so)."""
+def _dropout_values(dropout_p, seed, offset, state=None):
+    """The seed and offset a prepared bind writes, and the address of a device (seed, offset) that
+    the kernels read in their place (none without dropout), or None where they are out of the
+    kernels' range (the full path's checks then say so)."""
     if not dropout_p > 0:
         return {}
     if not (0 <= seed < 2**64 and 0 <= offset < 2**32):
         return None
-    return {"dropout_seed": seed, "dropout_offset": offset}
+    return {"dropout_seed": seed, "dropout_offset": offset, "dropout_state": 0 if state is None else state.data_ptr()}
 
 
-def prepared_backward(dout, q, k, v, out, lse, options: tuple, seed, offset):
+def prepared_backward(dout, q, k, v, out, lse, options: tuple, seed, offset, state=None):
     """dq, dk, dv of the dense backward operator through the signature's prepared call, as
     `prepared_forward`."""
     if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
         dout = dout.contiguous()
     causal, scale, windowed, left, right, softcap, deterministic, dropout_p = options
-    values = _dropout_values(dropout_p, seed, offset)
+    values = _dropout_values(dropout_p, seed, offset, state)
     if values is None:
         return None
 

@@ -49,6 +49,7 @@ def problem_fields(fields: dict, p: AttentionProblem, device_id: int):
     _mask_fields(fields, p.block_mask, device_id)
     fields["softcap_log2"] = 0.0 if p.softcap is None else p.softcap * LOG2E
     fields["dropout_seed"], fields["dropout_offset"] = p.seed, p.offset
+    fields["dropout_state"] = 0  # (a captured torch call writes its own: dispatch/plan.py's _SEED)
     fields["dropout_threshold"] = philox.threshold(p.dropout_p)
     fields["dropout_rescale"] = philox.rescale(p.dropout_p)
     return slopes_fields(fields, p), _varlen_fields(fields, p)

@@ -51,6 +51,9 @@ struct FwdParams {
     unsigned dropout_offset;
     unsigned dropout_threshold;  // round(p·2^32); 0: no dropout
     double dropout_rescale;      // 1 / (1 - p) for that p: the kept probabilities' factor; 1 without dropout
+    // (seed, offset) in device memory, read in place of dropout_seed and dropout_offset where not
+    // nullptr: a call captured into a CUDA graph, whose replays write them (fresh masks each replay).
+    const unsigned long long* dropout_state;
     // The block-sparse warp-specialised forward (flash_fwd_ws_kernel; the other kernels ignore
     // it): the order it claims the launch's query tiles in (entries: query tile + m_tiles x
     // (head + heads x batch)), the tiles of mask rows with many key blocks first, so that the
@@ -115,6 +118,7 @@ struct BwdParams {
     unsigned dropout_offset;
     unsigned dropout_threshold;
     double dropout_rescale;
+    const unsigned long long* dropout_state;
 };
 
 // Offset of row 0 of (batch, head) in the row statistics lse_log2 and d.

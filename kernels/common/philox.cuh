@@ -30,7 +30,7 @@ __device__ __forceinline__ PhiloxWords philox4x32_10(unsigned c0, unsigned c1, u
 
 // Dropout on the attention probabilities, with keep probability 1 - p. The element (query i, key j)
 // of (batch b, head h) is dropped when a 32-bit word W < threshold = round(p·2^32); W comes from
-//   key     = (seed mod 2^32, seed / 2^32)
+//   key     = (seed mod 2^32, seed / 2^32)     (seed, offset: the struct's, or dropout_state's)
 //   counter = (group(j), group(i), b·heads + h, offset),  group(x) = 8·(x / 16) + x mod 8
 //   word    = 2·((i / 8) mod 2) + (j / 8) mod 2
 // so one call gives the 2 x 2 elements {i, i + 8} x {j, j + 8}: the elements one lane holds together
@@ -48,7 +48,14 @@ struct Dropout {
           k1(static_cast<unsigned>(params.dropout_seed >> 32)),
           stream(static_cast<unsigned>(batch_idx) * static_cast<unsigned>(params.heads) + static_cast<unsigned>(head_idx)),
           offset(params.dropout_offset),
-          threshold(params.dropout_threshold) {}
+          threshold(params.dropout_threshold) {
+        if (params.dropout_state != nullptr) {  // one address for every thread: a broadcast read
+            const unsigned long long seed = __ldg(params.dropout_state);
+            k0 = static_cast<unsigned>(seed);
+            k1 = static_cast<unsigned>(seed >> 32);
+            offset = static_cast<unsigned>(__ldg(params.dropout_state + 1));
+        }
+    }
 
     __device__ __forceinline__ bool active() const { return threshold != 0u; }
 

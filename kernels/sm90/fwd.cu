@@ -18,14 +18,14 @@ namespace cupyflash {
 // kTma: K_j and V_j come by the TMA, through `maps` (unused otherwise), one thread asking for each
 // tile and every thread waiting on the tile's mbarrier, instead of 16-byte cp.async copies by
 // every thread: the copies and their address arithmetic were a quarter of the d64 loop's
-// instructions, and that kernel is bound by instruction issue. Dense, block-sparse and local (causal,
-// windows); not with score modifiers or packed sequences, whose rows past a sequence's keys would
-// arrive as the next sequence's, not as zeros.
+// instructions, and that kernel is bound by instruction issue. Dense, block-sparse, local (causal,
+// windows) and with score modifiers; not with packed sequences, whose rows past a sequence's keys
+// would arrive as the next sequence's, not as zeros.
 template <typename Kt, bool kIsLocal, bool kIsBlockSparse, bool kScoreMod = false, bool kVarlen = false,
           bool kTma = false>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     flash_fwd_sm90_kernel(const FwdParams launch_params, const __grid_constant__ KvTensorMaps maps) {
-    static_assert(!kTma || (!kScoreMod && !kVarlen), "TMA builds: no score modifiers, not packed");
+    static_assert(!kTma || !kVarlen, "TMA builds: not packed");
     using Storage = typename Kt::Storage;
     using Op = typename Kt::Op;
     extern __shared__ __align__(16) unsigned char smem[];
