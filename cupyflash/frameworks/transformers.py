@@ -82,12 +82,10 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 def _query_mask(mask, seqlen_q: int, causal: bool):
     """Which queries the varlen call takes. Causal (a decoder's self-attention): the real ones,
     the last seqlen_q of the tokens the key mask covers (all of them without a cache); padding
-    rows get 0. Not causal: every query, since the mask may be another sequence's (an
+    rows get 0. Not causal: None, every query, in place (the mask may be another sequence's: an
     encoder-decoder's cross-attention hands the encoder's, whatever the lengths); an encoder's
     padding rows then get values no real token reads."""
-    if not causal:
-        return mask.new_ones((mask.shape[0], seqlen_q))
-    return mask[:, -seqlen_q:]
+    return mask[:, -seqlen_q:] if causal else None
 
 
 # New queries up to which a step with a cache takes the decode kernels (split over the keys).
@@ -141,8 +139,9 @@ _UNPADDINGS_KEPT = 16
 
 def _unpadding(given, shape: tuple, mask, query_mask) -> tuple:
     """(key rows, query rows, cu_seqlens_q, cu_seqlens_k) of the padded batch whose (bool, padded)
-    key mask and query mask come from the mask `given` at this (seqlen_q, seqlen_k, causal)."""
-    return _of_mask(given, ("unpadding", shape), lambda: _rows_and_lengths(mask, query_mask))
+    key mask and query mask (None: every query) come from the mask `given` at this (seqlen_q,
+    seqlen_k, causal)."""
+    return _of_mask(given, ("unpadding", shape), lambda: _rows_and_lengths(mask, query_mask, shape[0]))
 
 
 def _of_mask(given, key: tuple, make):
@@ -159,25 +158,31 @@ def _of_mask(given, key: tuple, make):
     return made
 
 
-def _rows_and_lengths(mask, query_mask) -> tuple:
-    return (mask.reshape(-1).nonzero().reshape(-1), query_mask.reshape(-1).nonzero().reshape(-1),
-            _cumulative(query_mask.sum(dim=1)), _cumulative(mask.sum(dim=1)))
+def _rows_and_lengths(mask, query_mask, seqlen_q: int) -> tuple:
+    keys = mask.reshape(-1).nonzero().reshape(-1), _cumulative(mask.sum(dim=1))
+    if query_mask is None:  # every query: sequence b's are rows b * seqlen_q ... of the batch
+        batch = mask.shape[0]
+        return keys[0], None, torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32,
+                                           device=mask.device), keys[1]
+    return keys[0], query_mask.reshape(-1).nonzero().reshape(-1), _cumulative(query_mask.sum(dim=1)), keys[1]
 
 
 def _padded(q, k, v, unpadding: tuple, options):
     """A padded batch through the varlen kernels: each sequence's real keys and real queries
-    (`_unpadding`), packed; rows of padding queries get 0."""
+    (`_unpadding`), packed; rows of padding queries get 0. Where every query is taken (not
+    causal), the queries and the output stay in the batch's rows, unpacked."""
     batch, seqlen_q = q.shape[:2]
     key_rows, query_rows, cu_seqlens_q, cu_seqlens_k = unpadding
+    rows = q.reshape(batch * seqlen_q, *q.shape[2:])
     # (index_select, not x[rows]: its gradient is an index_add of distinct rows, where indexing's
     # is index_put with accumulate, which sorts the rows on CUDA)
     packed = adapter.attention_varlen(
-        q.reshape(batch * seqlen_q, *q.shape[2:]).index_select(0, query_rows),
+        rows if query_rows is None else rows.index_select(0, query_rows),
         k.reshape(-1, *k.shape[2:]).index_select(0, key_rows), v.reshape(-1, *v.shape[2:]).index_select(0, key_rows),
         cu_seqlens_q, cu_seqlens_k, **options)
-    out = packed.new_zeros((batch * seqlen_q, *packed.shape[1:]))
-    out = out.index_copy(0, query_rows, packed)
-    return out.reshape(batch, seqlen_q, *packed.shape[1:])
+    if query_rows is not None:
+        packed = packed.new_zeros((batch * seqlen_q, *packed.shape[1:])).index_copy(0, query_rows, packed)
+    return packed.reshape(batch, seqlen_q, *packed.shape[1:])
 
 
 def _cumulative(lengths):
