@@ -88,6 +88,7 @@ def test_each_family_builds_what_it_can():
         ("sm90", "bfloat16", 160, Variant(), "head dims"),
         ("sm90-ws", "bfloat16", 64, Variant(score_mod=True), "softcap"),
         ("sm90-tma", "bfloat16", 64, Variant(True, varlen=True), "variable lengths"),
+        ("sm90-tma", "bfloat16", 64, Variant(True, score_mod=True), "registers spill"),
         ("sm90-ws", "bfloat16", 64, Variant(varlen=True), "variable lengths"),
         ("sm90-ws", "bfloat16", 64, Variant(local=True), "causal"),
         ("scalar", "float32", 64, Variant(block_sparse=True, varlen=True), "block-sparse"),
@@ -95,12 +96,14 @@ def test_each_family_builds_what_it_can():
         with pytest.raises(Unavailable, match=why):
             catalog.forward_kernel(family, dtype_name, d, v)
     # Packed sequences have the forward's cp.async builds only; score modifiers (softcap, ALiBi,
-    # dropout) have its TMA builds too.
+    # dropout) have its TMA builds too, at d128.
     assert catalog.forward_kernel("sm90-tma", "bfloat16", 128, Variant(True, score_mod=True)).score_mod
     with pytest.raises(ValueError, match="TMA builds"):
         WgmmaFwdKernel("bfloat16", 64, True, block_sparse=False, varlen=True, tma=True)
     with pytest.raises(ValueError, match="TMA builds"):
         WgmmaFwdKernel("bfloat16", 256, False, tma=True)
+    with pytest.raises(ValueError, match="TMA builds"):
+        WgmmaFwdKernel("bfloat16", 64, True, score_mod=True, tma=True)
     with pytest.raises(ValueError, match="TMA builds"):
         WgmmaBwdDkdvKernel("bfloat16", 64, True, score_mod=True, tma=True)
     with pytest.raises(ValueError, match="warp-specialised"):

@@ -98,6 +98,8 @@ def forward_kernel(family: str, dtype_name: str, head_dim: int, variant: Variant
     if v.varlen:
         raise Unavailable("no builds for variable lengths")
     if family == "sm90-tma":
+        if v.score_mod and d not in tiles.TMA_SCORE_MOD_HEAD_DIMS:
+            raise Unavailable(f"no build with softcap, ALiBi or dropout at head dim {d} (its registers spill)")
         return WgmmaFwdKernel(dtype_name, d, v.local, block_sparse=v.block_sparse, score_mod=v.score_mod, tma=True)
     if family == "sm90-ws":
         if v.score_mod:

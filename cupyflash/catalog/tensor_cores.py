@@ -139,7 +139,8 @@ _SM90_OPTIONS = (f"--gpu-architecture={tiles.WGMMA_ARCH}",)
 @dataclasses.dataclass(frozen=True)
 class WgmmaFwdKernel(TcKernel):
     """kernels/sm90/fwd.cu's flash_fwd_sm90_kernel: one block per query block. tma: the kTma build
-    (no score modifiers, not varlen, at TMA_FORWARD_HEAD_DIMS), which takes K's and V's tensor maps."""
+    (not varlen, at TMA_FORWARD_HEAD_DIMS; with score modifiers at TMA_SCORE_MOD_HEAD_DIMS), which
+    takes K's and V's tensor maps."""
 
     tma: bool = False
 
@@ -151,9 +152,11 @@ class WgmmaFwdKernel(TcKernel):
     compile_options = _SM90_OPTIONS
 
     def __post_init__(self):
-        if self.tma and (self.varlen or self.head_dim not in tiles.TMA_FORWARD_HEAD_DIMS):
-            raise ValueError(f"the Hopper forward's TMA builds have no packed sequences, "
-                             f"at head dims {tiles.TMA_FORWARD_HEAD_DIMS}; not {self}")
+        if self.tma and (self.varlen or self.head_dim not in tiles.TMA_FORWARD_HEAD_DIMS or (
+                self.score_mod and self.head_dim not in tiles.TMA_SCORE_MOD_HEAD_DIMS)):
+            raise ValueError(f"the Hopper forward's TMA builds have no packed sequences, at head dims "
+                             f"{tiles.TMA_FORWARD_HEAD_DIMS} (with score modifiers {tiles.TMA_SCORE_MOD_HEAD_DIMS}); "
+                             f"not {self}")
 
     @functools.cached_property
     def tile(self) -> tiles.TcTileShape:

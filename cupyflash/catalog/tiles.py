@@ -57,6 +57,9 @@ TENSOR_CORE_MIN_CC = 80
 # Builds that exist at these padded head dims: the forward's TMA builds, and the warp-specialised
 # forward and dK/dV kernels.
 TMA_FORWARD_HEAD_DIMS = (64, 128)
+# ... and those of its builds with score modifiers (softcap, ALiBi, dropout): at d64 the build sat at
+# the 168 registers its launch bounds allow and spilled 8 bytes once dropout's device seed came in.
+TMA_SCORE_MOD_HEAD_DIMS = (128,)
 WS_FORWARD_HEAD_DIMS = (64, 128)
 WS_BACKWARD_HEAD_DIMS = (64, 128)
 
