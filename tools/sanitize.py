@@ -119,9 +119,12 @@ def _problems():
          dense(bf16, (1, 190, 260, 4, 100), h_kv=2, window=(70, 20))),
         ("sm90 softcap, ALiBi", {}, True,
          dense(bf16, (1, 150, 150, 2, 64), softcap=30.0, alibi_slopes=numpy.array([0.5, 0.25], numpy.float32))),
+        ("sm90-tma softcap, ALiBi", {}, True,
+         dense(bf16, (1, 150, 150, 2, 128), softcap=30.0, alibi_slopes=numpy.array([0.5, 0.25], numpy.float32))),
         ("sm90 block-sparse", {}, True, sparse(bf16, (1, 384, 512, 2, 128), mask)),
         ("sm90 deterministic", {}, True, dense(bf16, (1, 200, 300, 2, 128), deterministic=True)),
         ("sm90 dropout", {}, True, dense(f16, (1, 140, 150, 2, 64), dropout_p=0.2, seed=3)),
+        ("sm90-tma dropout", {}, True, dense(bf16, (1, 140, 150, 2, 128), dropout_p=0.2, seed=3)),
         # The mma.sync families (every GPU from sm_80) and the CUDA-core ones.
         ("sm80", hopper_off, False, dense(f16, (2, 113, 203, 3, 40), causal=True)),
         ("sm80 d256, dropout, deterministic", hopper_off, False,
