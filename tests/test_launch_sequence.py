@@ -229,3 +229,33 @@ def test_every_launch_takes_the_calls_dropout_seed_and_offset(rng, device):
             assert (field(params, "dropout_seed"), field(params, "dropout_offset")) == (seed, offset)
             assert field(params, "dropout_threshold") == philox.threshold(0.1)
             assert field(params, "dropout_state") == 0  # (by value: no device seed and offset)
+
+
+def test_key_padding_is_each_calls_own_pointer(rng, device):
+    """A padded batch's key lengths (seqused_k) are a per-call pointer of the prepared bind, as a
+    prepared torch call writes them: every launch of the forward and the backward reads the
+    call's own; a bind given none reads the problem's lengths, copied to the device."""
+    shape = (2, 300, 2, 64)
+    q, k, v, out, dout = (numpy.empty(shape, BFLOAT16) for _ in range(5))
+    lse = numpy.empty((2, 2, 300), numpy.float32)
+    lengths = numpy.array([300, 17], numpy.int32)
+    forward = validation.check_seqlens_k(lengths, validation.check_attention_args(
+        q, k, v, causal=False, scale=None, return_lse=True, window=None, softcap=None))
+    backward = validation.check_seqlens_k(lengths, validation.check_backward_args(
+        dout, q, k, v, out, lse, causal=False, scale=None, deterministic=False))
+    fwd_arrays = [StandIn(x.shape, x.dtype) for x in (q, k, v, out, lse)]
+    bwd_arrays = [StandIn(x.shape, x.dtype) for x in (dout, q, k, v, out, lse, q, k, v)]
+    binds = (plan.prepare_forward(forward, *fwd_arrays, Policy()),
+             plan.prepare_backward(backward, *bwd_arrays, Policy()))
+    copies = [stand_in for host, stand_in in device.copied if numpy.array_equal(host, lengths)]
+    assert len(copies) == 2  # (the problems' own, one each)
+    fwd_pointers = dict(zip(("q", "k", "v", "o", "lse"), (x.data.ptr for x in fwd_arrays)))
+    bwd_pointers = dict(zip(plan.BACKWARD_POINTERS, (x.data.ptr for x in (bwd_arrays[1:5] + bwd_arrays[:1]
+                                                                           + bwd_arrays[6:] + bwd_arrays[5:6]))))
+    for own in (1 << 50, (1 << 50) + 512, None):
+        for bind, pointers, default in zip(binds, (fwd_pointers, bwd_pointers), copies):
+            given = dict(pointers) if own is None else {**pointers, "seqused_k": own}
+            made = bind(given, workspace.cupy_stream())
+            assert made.launches
+            for launch in made.launches:
+                assert field(launch.args[0], "seqused_k") == (default.data.ptr if own is None else own)

@@ -71,7 +71,7 @@ def test_opcheck_varlen(device):
     k, v = (torch.randn(42, 2, 32, device=device) for _ in range(2))
     dense = operator_args(q, k, v, causal=True, deterministic=device == "cuda")
     for lengths in ((cu_q, cu_k, None, None), (cu_q, cu_k, 33, 33)):
-        args = (*dense[:3], *lengths, *dense[3:])
+        args = (*dense[:3], *lengths, *dense[3:-1])  # (the dense operators' seqlens_k last)
         torch.library.opcheck(adapter._attention_varlen_forward, args)
         out, lse = adapter._attention_varlen_forward(*args)
         torch.library.opcheck(adapter._attention_varlen_backward, (torch.randn_like(out), q, k, v, out, lse, *args[3:]))
@@ -110,6 +110,34 @@ def test_compile_attention_sdpa_flash_attn_and_varlen(device):
     dout = torch.randn_like(out)
     out.backward(dout)
     assert_gradients_match_reference(dout, q, k, v, (q.grad, k.grad, v.grad), "float32", True)
+
+
+def test_opcheck_and_compile_key_padding(device):
+    """seqlens_k through the dense operators: opcheck (forward, backward), a compiled call with no
+    graph break equal to eager's, and the same results as each batch entry cut to its keys."""
+    q = torch.randn(3, 17, 4, 32, device=device)
+    k, v = (torch.randn(3, 23, 2, 32, device=device) for _ in range(2))
+    lengths = torch.tensor([23, 0, 9], dtype=torch.int32, device=device)
+    args = operator_args(q, k, v, deterministic=device == "cuda")[:-1] + (lengths,)
+    torch.library.opcheck(adapter._attention_forward, args)
+    out, lse, rng_state = adapter._attention_forward(*args)
+    torch.library.opcheck(adapter._attention_backward,
+                          (torch.randn_like(out), q, k, v, out, lse, *args[3:11], rng_state, args[13], lengths))
+    compiled_equals_eager(lambda q, k, v: cupyflash.torch.attention(q, k, v, seqlens_k=lengths, deterministic=True),
+                          q, k, v)
+    xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = cupyflash.torch.attention(*xs, seqlens_k=lengths)
+    out.backward(torch.ones_like(out))
+    for b, n in enumerate(lengths.tolist()):
+        qb, kb, vb = (x.detach()[b:b + 1, :m].clone().requires_grad_() for x, m in zip(xs, (17, n, n)))
+        want = cupyflash.torch.attention(qb, kb, vb) if n else torch.zeros_like(qb)
+        torch.testing.assert_close(out[b:b + 1].detach(), want.detach(), atol=2e-6, rtol=0)
+        if n:
+            want.backward(torch.ones_like(want))
+            for x, w, m in zip(xs, (qb, kb, vb), (17, n, n)):
+                torch.testing.assert_close(x.grad[b:b + 1, :m], w.grad, atol=2e-5, rtol=0)
+        for x in xs[1:]:
+            assert torch.count_nonzero(x.grad[b, n:]) == 0  # padding keys get no gradient
 
 
 def test_a_dynamic_sequence_length_compiles_once(device):

@@ -106,7 +106,10 @@ def test_sliding_window_and_softcap(rng, calls):
     assert set(calls) == {"dense"} and len(calls) == 4
 
 
-def test_a_padded_encoder(rng, calls):
+@pytest.mark.parametrize("padding", ["right", "left and right"])
+def test_a_padded_encoder(rng, calls, padding):
+    """An encoder's padded batch takes the dense kernels with each sequence's key count; left
+    padding's real keys are moved first."""
     torch.manual_seed(int(rng.integers(2**31)))
     bert = transformers.BertConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, max_position_embeddings=128)
@@ -114,34 +117,46 @@ def test_a_padded_encoder(rng, calls):
     mask = torch.ones(3, 25, dtype=torch.long)
     mask[0, 17:] = 0
     mask[2, 3:] = 0
+    if padding != "right":
+        mask[1, :6] = 0
     real = mask.bool()
     judge(outputs(models(bert, transformers.BertModel), lambda x: x[real], input_ids=ids, attention_mask=mask),
           "hidden states")
-    assert calls and set(calls) == {"varlen"}
+    assert calls == ["dense", "dense"]
 
 
-def test_a_padded_batch_is_unpadded_once_per_forward(rng, monkeypatch):
-    """The layers of a forward get one mask tensor: its rows and lengths are found once (each
-    nonzero() waits for the GPU) and its lengths read to the host once; a new mask (or the same
-    one written in place) is read again."""
+@pytest.mark.parametrize("model", ["encoder", "decoder"])
+def test_a_padded_batch_is_unpadded_once_per_forward(rng, monkeypatch, model):
+    """The layers of a forward get one mask tensor: what the kernels need of it is found once
+    (each nonzero() or torch.equal waits for the GPU); a new mask (or the same one written in
+    place) is read again. An encoder's key counts stay on the GPU; a decoder's varlen lengths are
+    read to the host once."""
     made, read = [], []
     from cupyflash.frameworks import torch_calls
 
-    rows_and_lengths, host_lengths = adapter._rows_and_lengths, torch_calls.host_lengths
-    monkeypatch.setattr(adapter, "_rows_and_lengths", lambda *a: made.append(1) or rows_and_lengths(*a))
+    name = "_real_keys_first" if model == "encoder" else "_rows_and_lengths"
+    make, host_lengths = getattr(adapter, name), torch_calls.host_lengths
+    monkeypatch.setattr(adapter, name, lambda *a: made.append(1) or make(*a))
     monkeypatch.setattr(torch_calls, "host_lengths", lambda x: read.append(id(x)) or host_lengths(x))
     torch.manual_seed(int(rng.integers(2**31)))
-    bert = transformers.BertConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                   num_attention_heads=4, max_position_embeddings=128)
-    model = transformers.BertModel._from_config(bert, attn_implementation=IMPL).eval()
+    if model == "encoder":
+        config = transformers.BertConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                         num_attention_heads=4, max_position_embeddings=128)
+        built = transformers.BertModel._from_config(config, attn_implementation=IMPL).eval()
+    else:
+        config = llama()
+        config.num_hidden_layers = 3
+        built = transformers.LlamaForCausalLM._from_config(config, attn_implementation=IMPL).eval()
     ids = torch.randint(0, 97, (2, 20))
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[1, 11:] = 0
+    select = (lambda out: out.last_hidden_state) if model == "encoder" else (lambda out: out.logits)
     with torch.no_grad():
-        first = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        assert len(made) == 1 and len(read) == 3 * 2 and len(set(read)) == 2  # each layer: q's and k's lengths
+        first = select(built(input_ids=ids, attention_mask=mask))
+        assert len(made) == 1
+        assert (len(read), len(set(read))) == ((0, 0) if model == "encoder" else (3 * 2, 2))  # q's and k's lengths
         mask[1, 11:15] = 1  # the same tensor, written: read again
-        second = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        second = select(built(input_ids=ids, attention_mask=mask))
     assert len(made) == 2
     assert not torch.equal(first[1, 11:15], second[1, 11:15])
 
@@ -172,22 +187,24 @@ def test_cross_attention_of_an_encoder_decoder(rng, calls, decoder_length):
     decoder_ids = torch.randint(3, 97, (2, decoder_length))
     judge(outputs(models(bart, transformers.BartForConditionalGeneration), input_ids=ids, attention_mask=mask,
                   decoder_input_ids=decoder_ids))
-    assert "varlen" in calls
+    assert set(calls) == {"dense"} and len(calls) == 3
 
 
+@pytest.mark.parametrize("prompt", [12, 20])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("padding", ["left", "none"])
-def test_greedy_generation_equals_sdpa(rng, calls, cache, padding, monkeypatch):
+def test_greedy_generation_equals_sdpa(rng, calls, cache, padding, prompt, monkeypatch):
     """Greedy tokens equal float64 SDPA's. Without padding every step after the prompt (and, with
-    a static cache, the prompt too: its keys are the cache's first rows) takes the decode kernels;
-    left-padded steps take varlen. A step's mask is read once, not once a layer."""
+    a static cache, a prompt of up to 16 tokens too: its keys are the cache's first rows) takes the
+    decode kernels; left-padded steps take varlen. A step's mask is read once, not once a layer.
+    (A static cache whose all-ones mask generate drops is read up to the position ids.)"""
     prefixes = []
     prefix_lengths = adapter._prefix_lengths
     monkeypatch.setattr(adapter, "_prefix_lengths", lambda mask: prefixes.append(1) or prefix_lengths(mask))
     torch.manual_seed(int(rng.integers(2**31)))
     built = models(llama())
-    ids = torch.randint(0, 97, (2, 12))
-    mask = torch.ones(2, 12, dtype=torch.long)
+    ids = torch.randint(0, 97, (2, prompt))
+    mask = torch.ones(2, prompt, dtype=torch.long)
     if padding == "left":
         mask[1, :4] = 0  # as generation pads
     tokens = {}

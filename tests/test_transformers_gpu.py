@@ -70,11 +70,13 @@ def judge(results, dtype_name, name="logits"):
     assert_within_rule(name, results["ours"], results["exact"], results["baseline"], dtype_name)
 
 
-def padding(batch: int, length: int):
-    """A mask with right padding in row 0 and left padding in row 1 (others unpadded)."""
+def padding(batch: int, length: int, left: bool = True):
+    """A mask with right padding in row 0 and, with `left`, left padding in row 1 (others
+    unpadded)."""
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[0, length * 3 // 4:] = 0
-    mask[1, :length // 3] = 0
+    if left:
+        mask[1, :length // 3] = 0
     return mask
 
 
@@ -96,28 +98,31 @@ def bert():
                                    num_attention_heads=2, max_position_embeddings=256)
 
 
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left and right"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_a_padded_encoder(rng, calls, no_torch_attention, dtype_name):
-    """BERT (head dim 64) with right- and left-padded rows: every query is computed in place, the
-    real keys packed; the real tokens' hidden states within the rule."""
+def test_a_padded_encoder(rng, calls, no_torch_attention, dtype_name, left):
+    """BERT (head dim 64) with right-padded rows (and a left-padded one): the dense kernels with
+    each row's key count, every query computed in place (left padding's real keys moved first);
+    the real tokens' hidden states within the rule."""
     torch.manual_seed(int(rng.integers(2**31)))
     built = models(bert(), transformers.BertModel, DTYPES[dtype_name])
     ids = torch.randint(0, 97, (3, 113))
-    mask = padding(3, 113)
+    mask = padding(3, 113, left)
     real = mask.bool().cuda()
     judge(outputs(built, no_torch_attention, lambda x: x[real], input_ids=ids, attention_mask=mask), dtype_name,
           "hidden states")
-    assert calls == ["varlen", "varlen"]
+    assert calls == ["dense", "dense"]
 
 
-def test_a_padded_encoders_training_step(rng, calls, no_torch_attention):
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left and right"])
+def test_a_padded_encoders_training_step(rng, calls, no_torch_attention, left):
     """The gradient of a padded BERT batch's masked-LM loss (padding labelled -100) reaching the
-    first layer's query weights, through the varlen backward."""
+    first layer's query weights, through the dense backward with key counts."""
     torch.manual_seed(int(rng.integers(2**31)))
     config = bert()
     built = models(config, transformers.BertForMaskedLM, torch.float32)
     ids = torch.randint(0, 97, (3, 113)).cuda()
-    mask = padding(3, 113).cuda()
+    mask = padding(3, 113, left).cuda()
     labels = ids.masked_fill(mask == 0, -100)
     grads = {}
     for name, model in built.items():
@@ -127,7 +132,7 @@ def test_a_padded_encoders_training_step(rng, calls, no_torch_attention):
         no_torch_attention[0] = False
         grads[name] = model.bert.encoder.layer[0].attention.self.query.weight.grad
     judge(grads, "float32", "query gradient")
-    assert calls == ["varlen", "varlen"]
+    assert calls == ["dense", "dense"]
 
 
 def test_packed_sequences_without_padding(rng, calls, no_torch_attention):

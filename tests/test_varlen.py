@@ -95,6 +95,35 @@ def test_fallback_seqlens_k(rng):
         assert not grads[1][b, keys:].any() and not grads[2][b, keys:].any()
 
 
+@pytest.mark.parametrize("form", ["tensor", "list", "int"])
+def test_torch_seqlens_k_on_the_host(rng, form):
+    """cupyflash.torch.attention's seqlens_k as a host tensor, a list or an int: the NumPy path's
+    results and gradients, padding keys' gradients 0; bad lengths named before any work."""
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch
+
+    q = torch.from_numpy(rng.standard_normal((3, 7, 4, 8)).astype(numpy.float32)).requires_grad_()
+    k, v = (torch.from_numpy(rng.standard_normal((3, 9, 2, 8)).astype(numpy.float32)).requires_grad_()
+            for _ in range(2))
+    lengths = {"tensor": torch.tensor([9, 0, 4]), "list": [9, 0, 4], "int": 5}[form]
+    seqlens = numpy.array([9, 0, 4] if form != "int" else [5] * 3)
+    out = cupyflash.torch.attention(q, k, v, causal=True, seqlens_k=lengths)
+    out.backward(torch.ones_like(out))
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    want, lse = cupyflash.attention(*arrays, causal=True, return_lse=True, seqlens_k=seqlens)
+    grads = cupyflash.attention_backward(numpy.ones_like(want), *arrays, want, lse, causal=True, seqlens_k=seqlens)
+    numpy.testing.assert_array_equal(out.detach().numpy(), want)
+    for x, g in zip((q, k, v), grads):
+        numpy.testing.assert_array_equal(x.grad.numpy(), g)
+    for b, n in enumerate(seqlens):
+        assert not k.grad[b, n:].any() and not v.grad[b, n:].any()
+    for bad, error, match in (([1, 2], ValueError, r"seqlens_k must have shape \(batch,\) = \(3,\)"),
+                              (torch.tensor([1, 2, 10]), ValueError, r"seqlens_k must lie in \[0, seqlen_k\]"),
+                              (torch.tensor([1.0, 2.0, 3.0]), TypeError, "seqlens_k must have an integer dtype")):
+        with pytest.raises(error, match=match):
+            cupyflash.torch.attention(q, k, v, seqlens_k=bad)
+
+
 BAD_CU = [
     (dict(cu_seqlens_q=numpy.array([0, 3, 3, 20, 21, 30], dtype=numpy.float32)), TypeError,
      "cu_seqlens_q must have an integer dtype"),

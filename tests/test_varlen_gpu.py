@@ -169,6 +169,37 @@ def test_seqlens_k(rng, nan_outputs, dtype, causal):
                 assert not cupy.any(g[b, keys:]), "padding keys must get dk = dv = 0"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_seqlens_k(rng, causal):
+    """cupyflash.torch.attention with seqlens_k as an int32 CUDA tensor (the prepared calls, the
+    pointer written per call) and as int64 (converted): bit for bit cupyflash.attention's results
+    and deterministic gradients, the same prepared call serving new lengths of the same shape."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    import cupyflash.torch as cft
+
+    q = torch.randn(4, 113, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(4, 203, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    for lengths in ([203, 0, 1, 150], [17, 203, 99, 0]):
+        for dtype in (torch.int32, torch.int64):
+            seqlens = torch.tensor(lengths, dtype=dtype, device="cuda")
+            xs = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = cft.attention(*xs, causal=causal, seqlens_k=seqlens, deterministic=True)
+            out.backward(dout)
+            host = numpy.array(lengths, numpy.int32)
+            want, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True, seqlens_k=host)
+            grads = cupyflash.attention_backward(dout, q, k, v, want, lse, causal=causal, seqlens_k=host,
+                                                 deterministic=True)
+            assert torch.equal(out.detach(), torch.from_dlpack(want))
+            for x, g in zip(xs, grads):
+                assert torch.equal(x.grad, torch.from_dlpack(g))
+            for x in xs[1:]:
+                for b, n in enumerate(lengths):
+                    assert not x.grad[b, n:].any()
+
+
 def test_torch_adapter(rng):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

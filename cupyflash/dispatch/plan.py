@@ -225,6 +225,12 @@ _SEED = {False: (), True: ("dropout_seed", "dropout_state")}
 _OFFSET = {False: (), True: ("dropout_offset",)}
 
 
+def _padding_slot(p: AttentionProblem, fields: dict) -> tuple:
+    """A padded batch's key lengths as a per-call pointer (a prepared torch call writes each call's
+    own) and its default, the problem's own lengths on the device; () and None without them."""
+    return (("seqused_k",), fields["seqused_k"]) if p.seqlens_k is not None else ((), None)
+
+
 def _memoisable(p: AttentionProblem) -> bool:
     """Whether a problem's launches can be prepared once: not with ALiBi slopes or sequence lengths,
     device arrays that each call makes."""
@@ -259,8 +265,9 @@ def _prepare_forward(p: AttentionProblem, device_id: int, policy: policies.Polic
     fields["lse"] = lse.data.ptr
     # keep_alive: the ALiBi slopes and sequence lengths the struct points to, until the launch is queued
     keep_alive = params.problem_fields(fields, p, device_id)
+    padding, lengths = _padding_slot(p, fields)
     record = params.LaunchRecord(structs.FWD_PARAMS_DTYPE, {**fields, "query_tile_order": 0},
-                                 ("q", "k", "v", "o", "lse", "query_tile_order", *_SEED[p.dropout]),
+                                 ("q", "k", "v", "o", "lse", "query_tile_order", *_SEED[p.dropout], *padding),
                                  _OFFSET[p.dropout])
     kv_dims = (p.batch, p.seqlen_k, p.heads // p.kv_group)
     binders = []
@@ -276,6 +283,8 @@ def _prepare_forward(p: AttentionProblem, device_id: int, policy: policies.Polic
                 Launch(c, g, (record.params({**pointers, "query_tile_order": 0}), *e)),))
 
     def bind(pointers: dict, stream: workspace.Stream) -> Plan:
+        if padding:
+            pointers.setdefault("seqused_k", lengths)
         for binder in binders:
             launches = binder(pointers, stream)
             if launches is not None:
@@ -477,8 +486,9 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
     fields.update(lse=lse.data.ptr, lse_log2=0, d=0, dq_accum=0)
     # keep_alive: the ALiBi slopes and sequence lengths the struct points to, until the launches are queued
     keep_alive = params.problem_fields(fields, p, device_id)
+    padding, lengths = _padding_slot(p, fields)
     record = params.LaunchRecord(structs.BWD_PARAMS_DTYPE, fields,
-                                 (*BACKWARD_POINTERS, "lse_log2", "d", "dq_accum", *_SEED[p.dropout]),
+                                 (*BACKWARD_POINTERS, "lse_log2", "d", "dq_accum", *_SEED[p.dropout], *padding),
                                  _OFFSET[p.dropout])
     rows = p.heads * p.total_q  # row statistics, as row_statistics_strides
     stats_offset = -(-rows * accum.itemsize // 256) * 256 // accum.itemsize
@@ -563,6 +573,8 @@ def _prepare_backward(p: AttentionProblem, device_id: int, policy: policies.Poli
         return stream.empty(dq_shape, accum)
 
     def bind(pointers: dict, stream: workspace.Stream) -> Plan:
+        if padding:
+            pointers.setdefault("seqused_k", lengths)
         owner, pointers["lse_log2"] = stream.empty(2 * stats_offset + spare, accum)
         pointers["d"] = pointers["lse_log2"] + stats_offset * accum.itemsize
         pointers["dq_spare"] = pointers["lse_log2"] + 2 * stats_offset * accum.itemsize if spare else 0

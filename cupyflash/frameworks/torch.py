@@ -38,29 +38,33 @@ _torch_sdpa = torch.nn.functional.scaled_dot_product_attention
 
 def attention(
     q, k, v, *, causal=False, scale=None, deterministic=False, block_mask=None, window=None, softcap=None,
-    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, return_lse=False,
+    alibi_slopes=None, seqlens_k=None, dropout_p=0.0, seed=None, offset=0, return_lse=False,
 ):
     """`cupyflash.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-    alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)` for torch tensors
-    (k, v with fewer heads for GQA/MQA), with a backward pass (`cupyflash.attention_backward`) for
-    autograd. `deterministic=True` makes the gradients bitwise reproducible (see
-    attention_backward). With a `cupyflash.BlockMask` as block_mask,
+    alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, offset=offset)`
+    for torch tensors (k, v with fewer heads for GQA/MQA), with a backward pass
+    (`cupyflash.attention_backward`) for autograd. `deterministic=True` makes the gradients bitwise
+    reproducible (see attention_backward). With a `cupyflash.BlockMask` as block_mask,
     `cupyflash.block_sparse_attention` and its backward. The ALiBi slopes (a tensor or array) get
-    no gradient. With dropout_p > 0 and no seed, the seed and offset come from torch's generator of
+    no gradient. seqlens_k (a padded batch's keys: entry b uses its first seqlens_k[b]) as an int32
+    CUDA tensor on q's device is read by the kernels in place, never read back (torch.compile and
+    CUDA graphs take it); a host tensor, an int or a list is checked on the host; the padding
+    keys' gradients are 0. With dropout_p > 0 and no seed, the seed and offset come from torch's generator of
     q's device (`torch.cuda.manual_seed` makes CUDA calls reproducible, `torch.manual_seed` CPU
     ones), whose offset each call advances, as flash-attn draws its Philox state; the backward
     reuses them. Returns out, or (out, lse) with return_lse=True (lse gets no gradient)."""
     if isinstance(alibi_slopes, torch.Tensor):
         alibi_slopes = alibi_slopes.detach()
+    seqlens_k = _key_lengths(seqlens_k, q)
     args = None if block_mask is not None else _operator_args(
-        q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset, deterministic)
+        q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset, deterministic, seqlens_k)
     if args is not None:  # (the operator draws an absent dropout seed itself: torch.compile traces it whole)
         out, lse, _ = _AttentionOperator.apply(*args) if _needs_grad(q, k, v) else _run(_attention_forward, *args)
     else:
         seed, offset = dropout_seed(dropout_p, seed, offset, q)
         options = Options(causal=causal, scale=scale, deterministic=deterministic, block_mask=block_mask,
-                          window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                          offset=offset, return_lse=True)
+                          window=window, softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k,
+                          dropout_p=dropout_p, seed=seed, offset=offset, return_lse=True)
         out, lse = _eager(FlashAttentionFunction.apply)(q, k, v, options)
     return (out, lse) if return_lse else out
 
@@ -80,7 +84,7 @@ def attention_varlen(
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if (args is not None and all(isinstance(c, torch.Tensor) for c in lengths[:2])
             and all(m is None or calls.is_int(m) for m in lengths[2:])):
-        args = (*args[:3], *lengths, *args[3:])
+        args = (*args[:3], *lengths, *args[3:-1])  # (no seqlens_k: the lengths are cu_seqlens')
         out, lse = _VarlenOperator.apply(*args) if _needs_grad(q, k, v) else _run(_attention_varlen_forward, *args)
     else:
         out, lse = _eager(FlashAttentionVarlenFunction.apply)(q, k, v, *lengths, causal, scale, deterministic, window,
@@ -92,6 +96,20 @@ def _eager(function):
     """function run by torch.compile outside its graph (a graph break): the autograd.Function paths,
     whose host work it cannot trace."""
     return torch.compiler.disable(function, recursive=True)
+
+
+def _key_lengths(seqlens_k, q):
+    """seqlens_k as the operators carry it: an int or a list of ints as a host int32 tensor (checked
+    there, as `attention_decode`'s lengths), a CUDA integer tensor as int32 (what the kernels
+    read); other values as given (the checks name what is wrong)."""
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and calls.is_int(seqlens_k, -(2**31), 2**31):
+        return torch.full((q.shape[0],), seqlens_k, dtype=torch.int32)
+    if isinstance(seqlens_k, (list, tuple)) and all(calls.is_int(n, -(2**31), 2**31) for n in seqlens_k):
+        return torch.tensor(seqlens_k, dtype=torch.int32)
+    if (isinstance(seqlens_k, torch.Tensor) and seqlens_k.is_cuda and seqlens_k.dtype != torch.int32
+            and not seqlens_k.is_floating_point() and not seqlens_k.is_complex() and seqlens_k.dtype != torch.bool):
+        return seqlens_k.to(torch.int32)
+    return seqlens_k
 
 
 # Philox offsets a call takes from torch's CUDA generator: it keeps them in multiples of 4.
@@ -201,16 +219,17 @@ def _window_args(window) -> tuple:
 
 
 def _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p, seed,
-                      offset, deterministic) -> Options:
+                      offset, deterministic, seqlens_k=None) -> Options:
     return Options(causal=causal, scale=scale, window=(window_left, window_right) if windowed else None,
-                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset,
-                   deterministic=deterministic, return_lse=True)
+                   softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed,
+                   offset=offset, deterministic=deterministic, return_lse=True)
 
 
 def _attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float], windowed: bool,
     window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
     alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int], offset: int, deterministic: bool,
+    seqlens_k: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     prepared = alibi_slopes is None and q.is_cuda
     if prepared and dropout_p > 0 and seed is None and torch.cuda.is_current_stream_capturing():
@@ -219,17 +238,17 @@ def _attention_forward(
         # read them there, and the backward reads this rng_state on the device too.
         state = torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=q.device)
         results = calls.prepared_forward(q, k, v, (causal, scale, windowed, window_left, window_right, softcap,
-                                                   dropout_p), 0, 0, state)
+                                                   dropout_p), 0, 0, state, seqlens_k)
         if results is not None:
             return (*results, state)
     seed, offset = dropout_seed(dropout_p, seed, offset, q)
     if prepared:
         results = calls.prepared_forward(q, k, v, (causal, scale, windowed, window_left, window_right, softcap, dropout_p),
-                                    seed, offset)
+                                         seed, offset, None, seqlens_k)
         if results is not None:
             return (*results, _rng_state(q, dropout_p, seed, offset))
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                                seed, offset, deterministic)
+                                seed, offset, deterministic, seqlens_k)
     return (*calls.forward(q, k, v, options), _rng_state(q, dropout_p, seed, offset))
 
 
@@ -254,7 +273,7 @@ def _fake_rng_state(q, dropout_p) -> torch.Tensor:
 
 @torch.library.register_fake(_attention_forward)
 def _(q, k, v, causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset,
-      deterministic):
+      deterministic, seqlens_k=None):
     batch, seqlen_q, heads, _ = q.shape
     lse_type = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=lse_type),
@@ -265,21 +284,21 @@ def _attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     causal: bool, scale: Optional[float], windowed: bool, window_left: Optional[int], window_right: Optional[int],
     softcap: Optional[float], alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng_state: torch.Tensor,
-    deterministic: bool,
+    deterministic: bool, seqlens_k: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     on_device = dropout_p > 0 and rng_state.is_cuda  # (a captured forward's)
     seed, offset = (0, 0) if on_device else _drawn(dropout_p, rng_state)
     if alibi_slopes is None and q.is_cuda:
         grads = calls.prepared_backward(dout, q, k, v, out, lse, (causal, scale, windowed, window_left, window_right,
                                                              softcap, deterministic, dropout_p), seed, offset,
-                                        rng_state if on_device else None)
+                                        rng_state if on_device else None, seqlens_k)
         if grads is not None:
             return grads
     if on_device:  # (the full path takes them on the host)
         seed, offset = _drawn(dropout_p, rng_state)
         offset %= 2**32
     options = _operator_options(causal, scale, windowed, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                                seed, offset, deterministic)
+                                seed, offset, deterministic, seqlens_k)
     return calls.backward(dout, q, k, v, out, lse, options)
 
 
@@ -301,23 +320,24 @@ def _(dout, q, k, v, out, lse, *options):
 
 class _AttentionOperator(torch.autograd.Function):
     """Autograd of the dense operators: the forward operator, then the backward operator on the
-    saved q, k, v, out, lse and the forward's rng_state (its dropout seed and offset)."""
+    saved q, k, v, out, lse, the forward's rng_state (its dropout seed and offset) and the key
+    lengths (the operators' last argument)."""
 
     @staticmethod
     def forward(ctx, q, k, v, *options):
         out, lse, rng_state = _run(_attention_forward, q, k, v, *options)
-        _save(ctx, (q, k, v, out, lse, rng_state), options, lse, rng_state)
+        _save(ctx, (q, k, v, out, lse, rng_state, options[-1]), options[:-1], lse, rng_state)
         return out, lse, rng_state
 
     @staticmethod
     def backward(ctx, dout, _dlse, _drng):
         if dout is None:
-            return (None,) * (3 + len(ctx.options))
-        q, k, v, out, lse, rng_state = ctx.saved_tensors
+            return (None,) * (4 + len(ctx.options))
+        q, k, v, out, lse, rng_state, seqlens_k = ctx.saved_tensors
         causal, scale, windowed, left, right, softcap, slopes, dropout_p, _seed, _offset, deterministic = ctx.options
         grads = _run(_attention_backward, dout, q, k, v, out, lse, causal, scale, windowed, left, right, softcap,
-                     slopes, dropout_p, rng_state, deterministic)
-        return (*grads,) + (None,) * len(ctx.options)
+                     slopes, dropout_p, rng_state, deterministic, seqlens_k)
+        return (*grads,) + (None,) * (1 + len(ctx.options))
 
 
 def _needs_grad(*tensors) -> bool:
@@ -325,10 +345,12 @@ def _needs_grad(*tensors) -> bool:
 
 
 def _operator_args(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset,
-                   deterministic):
-    """The custom operator's arguments for a call it can carry, else None (the call then takes
-    FlashAttentionFunction, whose checks name a wrong argument)."""
+                   deterministic, seqlens_k=None):
+    """The dense operators' arguments for a call they can carry (seqlens_k last), else None (the
+    call then takes FlashAttentionFunction, whose checks name a wrong argument)."""
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        return None
+    if seqlens_k is not None and not isinstance(seqlens_k, torch.Tensor):
         return None
     if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2
                                    and all(w is None or calls.is_int(w) for w in window)):
@@ -340,7 +362,8 @@ def _operator_args(q, k, v, causal, scale, window, softcap, alibi_slopes, dropou
         return None
     windowed, left, right = _window_args(window)
     return (q, k, v, causal, None if scale is None else float(scale), windowed, left, right,
-            None if softcap is None else float(softcap), alibi_slopes, float(dropout_p), seed, offset, deterministic)
+            None if softcap is None else float(softcap), alibi_slopes, float(dropout_p), seed, offset, deterministic,
+            seqlens_k)
 
 
 def _is_float(x) -> bool:
@@ -435,24 +458,26 @@ class _VarlenOperator(torch.autograd.Function):
 
 def attention_backward(
     dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic=False, window=None, softcap=None,
-    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+    alibi_slopes=None, seqlens_k=None, dropout_p=0.0, seed=None, offset=0,
 ):
     """`cupyflash.attention_backward` for torch tensors: (dq, dk, dv) of the forward's out and lse,
     on torch's current stream, through the backward operator (for a custom autograd.Function built
     from cupyflash's pieces, such as ring attention's). out and lse are used as given: the backward
     recomputes P from lse, so a merged (global) out and lse give each key block's share of the
-    gradients. With dropout, pass the forward's seed and offset."""
+    gradients. With dropout, pass the forward's seed and offset; seqlens_k as the forward's."""
     if isinstance(alibi_slopes, torch.Tensor):
         alibi_slopes = alibi_slopes.detach()
+    seqlens_k = _key_lengths(seqlens_k, q)
     args = _operator_args(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, offset,
-                          deterministic)
+                          deterministic, seqlens_k)
     tensors = (dout, out, lse)
     if args is None or not all(isinstance(x, torch.Tensor) for x in tensors) or (dropout_p > 0 and seed is None):
         options = Options(causal=causal, scale=scale, deterministic=deterministic, window=window, softcap=softcap,
-                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+                          alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed,
+                          offset=offset)
         return _eager(calls.backward)(dout, q, k, v, out, lse, options)
     state = _rng_state(q, args[10], seed, offset)
-    return _run(_attention_backward, dout, *args[:3], out, lse, *args[3:11], state, deterministic)
+    return _run(_attention_backward, dout, *args[:3], out, lse, *args[3:11], state, deterministic, seqlens_k)
 
 
 def attention_decode(

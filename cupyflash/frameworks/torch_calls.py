@@ -157,24 +157,43 @@ def _torch_stream(index: int) -> workspace.Stream:
     return workspace.Stream(ptr, index, capturing, *_allocators(index), graph_pool=True)
 
 
-def prepared_forward(q, k, v, options: tuple, seed, offset, state=None):
+def prepared_forward(q, k, v, options: tuple, seed, offset, state=None, seqlens_k=None):
     """out, lse of the dense forward operator through the signature's prepared call (made by this
     call if it is the first), or None where the tensors are not the kernels' to read in place (or
     dropout's seed or offset is out of range: the checks name it). Dropout's probability is part of
     the signature, its seed and offset the call's own; `state`, a CUDA int64 tensor (seed, offset),
-    is read by the kernels in their place."""
+    is read by the kernels in their place; so are the key lengths `seqlens_k` (`_padding_values`)."""
     causal, scale, windowed, left, right, softcap, dropout_p = options
     values = _dropout_values(dropout_p, seed, offset, state)
-    if values is None:
+    padding = _padding_values(seqlens_k, q)
+    if values is None or padding is None:
         return None
 
     def check(arrays, origins):
         return common.checked_problem("forward", arrays, origins, Options(
             causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap, return_lse=True,
-            dropout_p=dropout_p, seed=seed, offset=offset))
+            seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, offset=offset))
 
-    return _prepared_forward_call(("torch forward", _signature(q) + _signature(k) + _signature(v), options),
-                                  q, k, v, check, values)
+    key = ("torch forward", _signature(q) + _signature(k) + _signature(v), options, _padding_key(seqlens_k))
+    return _prepared_forward_call(key, q, k, v, check, {**values, **padding})
+
+
+def _padding_values(seqlens_k, q):
+    """The per-call address of a padded batch's key lengths (`seqused_k`): {} without them, None
+    where the prepared calls do not take them (not an int32 vector on q's GPU: host lengths, whose
+    values the full path checks)."""
+    if seqlens_k is None:
+        return {}
+    if (seqlens_k.is_cuda and seqlens_k.dtype == torch.int32 and seqlens_k.dim() == 1 and seqlens_k.is_contiguous()
+            and seqlens_k.get_device() == q.get_device()):
+        return {"seqused_k": seqlens_k.data_ptr()}
+    return None
+
+
+def _padding_key(seqlens_k):
+    """The key lengths' part of a signature: their shape (the checks read nothing else of a GPU
+    vector; its values are each call's own)."""
+    return None if seqlens_k is None else tuple(seqlens_k.shape)
 
 
 def _dropout_values(dropout_p, seed, offset, state=None):
@@ -188,24 +207,25 @@ def _dropout_values(dropout_p, seed, offset, state=None):
     return {"dropout_seed": seed, "dropout_offset": offset, "dropout_state": 0 if state is None else state.data_ptr()}
 
 
-def prepared_backward(dout, q, k, v, out, lse, options: tuple, seed, offset, state=None):
+def prepared_backward(dout, q, k, v, out, lse, options: tuple, seed, offset, state=None, seqlens_k=None):
     """dq, dk, dv of the dense backward operator through the signature's prepared call, as
     `prepared_forward`."""
     if dout.dim() == 4 and dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum()
         dout = dout.contiguous()
     causal, scale, windowed, left, right, softcap, deterministic, dropout_p = options
     values = _dropout_values(dropout_p, seed, offset, state)
-    if values is None:
+    padding = _padding_values(seqlens_k, q)
+    if values is None or padding is None:
         return None
 
     def check(arrays, origins):
         return common.checked_problem("backward", arrays, origins, Options(
             causal=causal, scale=scale, window=(left, right) if windowed else None, softcap=softcap,
-            deterministic=deterministic, dropout_p=dropout_p, seed=seed, offset=offset))
+            deterministic=deterministic, seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, offset=offset))
 
     key = ("torch backward", _signature(dout) + _signature(q) + _signature(k) + _signature(v) + _signature(out)
-           + _signature(lse), options)
-    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check, values)
+           + _signature(lse), options, _padding_key(seqlens_k))
+    return _prepared_backward_call(key, (dout, q, k, v, out, lse), check, {**values, **padding})
 
 
 def _prepared_varlen(kind: str, tensors: tuple, lengths: tuple, options: dict):
@@ -303,12 +323,12 @@ def _prepared_backward_call(key, tensors: tuple, check, values: dict):
             p = check(arrays, origins)
             if p.batch == 0 or p.heads == 0:
                 return None
-            grads = tuple(empty_like(x) for x in (q, k, v))
+            grads = _gradients(q, k, v, "seqused_k" in values)
             bind = planner.prepare_backward(p, *arrays.values(), *map(view, grads), policies.current())
         entry = prepared.PreparedCall(p, bind, policies.current(), None)
         prepared.keep(key, entry)
     if grads is None:
-        grads = tuple(empty_like(x) for x in (q, k, v))
+        grads = _gradients(q, k, v, "seqused_k" in values)
     index = q.get_device()
     with prepared.on_device(index):
         stream = _torch_stream(index)
@@ -345,16 +365,23 @@ def backward(dout, q, k, v, out, lse, options: Options) -> tuple:
             given = dict(zip(common.BACKWARD_ARRAYS, map(view, (dout, q, k, v, out, lse))))
             arrays, origins = common.ingest(given)
             p = common.checked_problem("backward", arrays, origins, options)
-            grads = tuple(empty_like(x) for x in (q, k, v))
-            if p.seqlens_k is not None:  # padding keys are no block's to write: their gradient is 0
-                grads[1].zero_()
-                grads[2].zero_()
+            grads = _gradients(q, k, v, p.seqlens_k is not None)
             common.backward_gpu(*arrays.values(), p, tuple(map(view, grads)), _torch_stream(q.get_device()))
         return grads
     given = dict(zip(common.BACKWARD_ARRAYS, (x.detach() for x in (dout, q, k, v, out, lse))))
     with on_torch_stream(q):
         grads = tuple(map(as_torch, common.backward_call(given, options)))
     return laid_out_like(grads, (q, k, v))
+
+
+def _gradients(q, k, v, padded: bool) -> tuple:
+    """dq, dk, dv to be written; a padded batch's dk and dv zeroed, its padding keys being no
+    block's to write (their gradient is 0)."""
+    dq, dk, dv = (empty_like(x) for x in (q, k, v))
+    if padded:
+        dk.zero_()
+        dv.zero_()
+    return dq, dk, dv
 
 
 def laid_out_like(grads, inputs) -> tuple:

@@ -6,15 +6,18 @@
 Importing the module registers `attention` with transformers' `AttentionInterface` and, with its
 `AttentionMaskInterface`, the mask transformers hands flash_attention_2: None when no token is
 padding, else the 2-D padding mask (batch, keys), True where a token is real. So a padded batch
-(left or right padding) reaches the varlen kernels, its real tokens packed, with no 4-D mask and
-no call to torch's SDPA. A padding-free packed batch (one row of concatenated sequences, given as
-`cu_seq_lens_q` / `cu_seq_lens_k` or as position ids that restart) takes varlen too. Keys and
-values keep their heads (GQA and MQA are read in place). The layer's causality, scaling, sliding
-window (key j for query i when i - window < j <= i), softcap and dropout come from transformers'
-arguments, as for flash_attention_2. A generation step (up to 16 new queries against a longer
-cache, no gradient) takes the decode kernels (`attention_decode`) when each sequence's real keys
-come first (no padding, right padding, a static cache); left padding takes varlen. Without a
-causal mask every query is computed (the mask may be the keys' alone: cross-attention).
+reaches cupyflash's kernels with no 4-D mask and no call to torch's SDPA. Not causal (an encoder,
+cross-attention): the dense kernels with each sequence's key count (`seqlens_k`), its real keys
+moved first where they are not already (left padding); every query is computed in place. Causal
+(a decoder): the varlen kernels, each sequence's real queries and keys packed. A padding-free
+packed batch (one row of concatenated sequences, given as `cu_seq_lens_q` / `cu_seq_lens_k` or as
+position ids that restart) takes varlen too. Keys and values keep their heads (GQA and MQA are read
+in place). The layer's causality, scaling, sliding window (key j for query i when
+i - window < j <= i), softcap and dropout come from transformers' arguments, as for
+flash_attention_2. A generation step (up to 16 new queries against a longer cache, no gradient)
+takes the decode kernels (`attention_decode`) when each sequence's real keys come first (no
+padding, right padding, a static cache); left padding takes varlen. A static cache with no mask
+(generate drops an all-ones mask) is read up to each sequence's position ids.
 Importing this module imports torch and transformers, which cupyflash does not otherwise need.
 """
 
@@ -58,34 +61,59 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if packed is not None:
         out = adapter.attention_varlen(q[0], k[0], v[0], *packed, **options)
         return out.unsqueeze(0), None
-    given_mask = attention_mask
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(f"cupyflash.transformers: attention_mask must be the 2-D padding mask (batch, keys) of "
-                             f"the '{NAME}' mask interface, got shape {tuple(attention_mask.shape)}")
-        attention_mask = attention_mask.bool()
-        query_mask = _query_mask(attention_mask, q.shape[1], causal)
-        if attention_mask.shape[1] < k.shape[1]:  # a static cache: the mask covers its filled rows
-            attention_mask = torch.nn.functional.pad(attention_mask, (0, k.shape[1] - attention_mask.shape[1]))
-    if _decoding(q, k, v, dropout):
-        lengths = None if attention_mask is None else _of_mask(
-            given_mask, ("prefix", k.shape[1]), lambda: _prefix_lengths(attention_mask))
-        if attention_mask is None or lengths is not None:
+    if attention_mask is None:
+        lengths = _cache_lengths(q, k, causal, kwargs.get("position_ids"))
+        if _decoding(q, k, v, dropout):
             del options["dropout_p"]
             return adapter.attention_decode(q, k, v, lengths, **options), None
-    if attention_mask is None:
-        return adapter.attention(q, k, v, **options), None
-    unpadding = _unpadding(given_mask, (q.shape[1], k.shape[1], causal), attention_mask, query_mask)
+        return adapter.attention(q, k, v, seqlens_k=lengths, **options), None
+    if attention_mask.dim() != 2:
+        raise ValueError(f"cupyflash.transformers: attention_mask must be the 2-D padding mask (batch, keys) of "
+                         f"the '{NAME}' mask interface, got shape {tuple(attention_mask.shape)}")
+    given_mask, attention_mask = attention_mask, attention_mask.bool()
+    query_mask = attention_mask[:, -q.shape[1]:]  # (causal: the real queries are the last the mask covers)
+    if attention_mask.shape[1] < k.shape[1]:  # a static cache: the mask covers its filled rows
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, k.shape[1] - attention_mask.shape[1]))
+    if _decoding(q, k, v, dropout):
+        lengths = _of_mask(given_mask, ("prefix", k.shape[1]), lambda: _prefix_lengths(attention_mask))
+        if lengths is not None:
+            del options["dropout_p"]
+            return adapter.attention_decode(q, k, v, lengths, **options), None
+    if not causal and window is None:
+        order, lengths = _of_mask(given_mask, ("keys first", k.shape[1]), lambda: _real_keys_first(attention_mask))
+        if order is not None:
+            k, v = (x.gather(1, order.expand(-1, -1, *x.shape[2:])) for x in (k, v))
+        return adapter.attention(q, k, v, seqlens_k=lengths, **options), None
+    unpadding = _unpadding(given_mask, (q.shape[1], k.shape[1]), attention_mask, query_mask)
     return _padded(q, k, v, unpadding, options), None
 
 
-def _query_mask(mask, seqlen_q: int, causal: bool):
-    """Which queries the varlen call takes. Causal (a decoder's self-attention): the real ones,
-    the last seqlen_q of the tokens the key mask covers (all of them without a cache); padding
-    rows get 0. Not causal: None, every query, in place (the mask may be another sequence's: an
-    encoder-decoder's cross-attention hands the encoder's, whatever the lengths); an encoder's
-    padding rows then get values no real token reads."""
-    return mask[:, -seqlen_q:] if causal else None
+def _cache_lengths(q, k, causal: bool, positions):
+    """Each sequence's keys in a cache that holds more rows than it has filled (a static cache,
+    whose all-ones mask generate drops): the last query's position id + 1, as an int32 CUDA tensor
+    the kernels read in place; None where every key row is real (no cache, a dynamic one, or no
+    position ids of (batch, seqlen_q) to tell)."""
+    if not causal or k.shape[1] <= q.shape[1] or positions is None or positions.dim() != 2 \
+            or positions.shape[1] != q.shape[1] or positions.shape[0] not in (1, q.shape[0]):
+        return None
+    return (positions[:, -1] + 1).to(torch.int32).expand(q.shape[0]).contiguous()
+
+
+def _real_keys_first(mask) -> tuple:
+    """(order, lengths) for the dense kernels with seqlens_k: each sequence's number of real keys
+    and, where they are not its first ones (left padding), the key order that puts them first
+    (a (batch, keys, 1, 1) index; None where they are first already). Under torch.compile the order
+    is always made, with no read of the mask on the host."""
+    lengths = mask.sum(dim=1, dtype=torch.int32)
+    if not torch.compiler.is_compiling() and _is_prefix(mask, lengths):
+        return None, lengths
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+    return order[:, :, None, None], lengths
+
+
+def _is_prefix(mask, lengths) -> bool:
+    """Whether each sequence's real keys are its first ones (a read of the GPU)."""
+    return bool(torch.equal(torch.arange(mask.shape[1], device=mask.device) < lengths[:, None], mask))
 
 
 # New queries up to which a step with a cache takes the decode kernels (split over the keys).
@@ -103,8 +131,7 @@ def _prefix_lengths(mask):
     static cache filled from the start), which `attention_decode` reads; None where some sequence
     has padding before a real key (left padding: the varlen kernels take it)."""
     lengths = mask.sum(dim=1, dtype=torch.int32)
-    prefix = torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]
-    return lengths if bool(torch.equal(prefix, mask)) else None
+    return lengths if _is_prefix(mask, lengths) else None
 
 
 def _packed_lengths(q, kwargs):
@@ -139,9 +166,8 @@ _UNPADDINGS_KEPT = 16
 
 def _unpadding(given, shape: tuple, mask, query_mask) -> tuple:
     """(key rows, query rows, cu_seqlens_q, cu_seqlens_k) of the padded batch whose (bool, padded)
-    key mask and query mask (None: every query) come from the mask `given` at this (seqlen_q,
-    seqlen_k, causal)."""
-    return _of_mask(given, ("unpadding", shape), lambda: _rows_and_lengths(mask, query_mask, shape[0]))
+    key mask and query mask come from the mask `given` at this (seqlen_q, seqlen_k)."""
+    return _of_mask(given, ("unpadding", shape), lambda: _rows_and_lengths(mask, query_mask))
 
 
 def _of_mask(given, key: tuple, make):
@@ -158,30 +184,23 @@ def _of_mask(given, key: tuple, make):
     return made
 
 
-def _rows_and_lengths(mask, query_mask, seqlen_q: int) -> tuple:
-    keys = mask.reshape(-1).nonzero().reshape(-1), _cumulative(mask.sum(dim=1))
-    if query_mask is None:  # every query: sequence b's are rows b * seqlen_q ... of the batch
-        batch = mask.shape[0]
-        return keys[0], None, torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32,
-                                           device=mask.device), keys[1]
-    return keys[0], query_mask.reshape(-1).nonzero().reshape(-1), _cumulative(query_mask.sum(dim=1)), keys[1]
+def _rows_and_lengths(mask, query_mask) -> tuple:
+    return (mask.reshape(-1).nonzero().reshape(-1), query_mask.reshape(-1).nonzero().reshape(-1),
+            _cumulative(query_mask.sum(dim=1)), _cumulative(mask.sum(dim=1)))
 
 
 def _padded(q, k, v, unpadding: tuple, options):
-    """A padded batch through the varlen kernels: each sequence's real keys and real queries
-    (`_unpadding`), packed; rows of padding queries get 0. Where every query is taken (not
-    causal), the queries and the output stay in the batch's rows, unpacked."""
+    """A causal padded batch through the varlen kernels: each sequence's real keys and real
+    queries (`_unpadding`), packed; rows of padding queries get 0."""
     batch, seqlen_q = q.shape[:2]
     key_rows, query_rows, cu_seqlens_q, cu_seqlens_k = unpadding
-    rows = q.reshape(batch * seqlen_q, *q.shape[2:])
     # (index_select, not x[rows]: its gradient is an index_add of distinct rows, where indexing's
     # is index_put with accumulate, which sorts the rows on CUDA)
     packed = adapter.attention_varlen(
-        rows if query_rows is None else rows.index_select(0, query_rows),
+        q.reshape(batch * seqlen_q, *q.shape[2:]).index_select(0, query_rows),
         k.reshape(-1, *k.shape[2:]).index_select(0, key_rows), v.reshape(-1, *v.shape[2:]).index_select(0, key_rows),
         cu_seqlens_q, cu_seqlens_k, **options)
-    if query_rows is not None:
-        packed = packed.new_zeros((batch * seqlen_q, *packed.shape[1:])).index_copy(0, query_rows, packed)
+    packed = packed.new_zeros((batch * seqlen_q, *packed.shape[1:])).index_copy(0, query_rows, packed)
     return packed.reshape(batch, seqlen_q, *packed.shape[1:])
 
 
