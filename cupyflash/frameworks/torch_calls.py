@@ -111,7 +111,8 @@ LSE_DTYPES = {numpy.dtype(numpy.float32): torch.float32, numpy.dtype(numpy.float
 # api/prepared.py's cache of prepared calls, keyed by each tensor's shape, strides, dtype, device and
 # 16-byte alignment, the options (typed by the operators' schemas; with their types for varlen,
 # whose autograd.Function path passes anything), dropout's probability (its seed and offset are
-# written per call) and, for varlen, the lengths' values: a call whose signature was prepared
+# written per call), key padding's shape (its int32 CUDA lengths' address written per call) and,
+# for varlen, the lengths' values: a call whose signature was prepared
 # allocates its results and workspaces from torch's caching allocator and launches on torch's
 # current stream, nothing else (no checks, no CuPy stream or array objects).
 
