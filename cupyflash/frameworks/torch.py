@@ -49,8 +49,8 @@ def attention(
     no gradient. seqlens_k (a padded batch's keys: entry b uses its first seqlens_k[b]) as an int32
     CUDA tensor on q's device is read by the kernels in place, never read back (torch.compile and
     CUDA graphs take it); a host tensor, an int or a list is checked on the host; the padding
-    keys' gradients are 0. With dropout_p > 0 and no seed, the seed and offset come from torch's generator of
-    q's device (`torch.cuda.manual_seed` makes CUDA calls reproducible, `torch.manual_seed` CPU
+    keys' gradients are 0. With dropout_p > 0 and no seed, the seed and offset come from torch's
+    generator of q's device (`torch.cuda.manual_seed` makes CUDA calls reproducible, `torch.manual_seed` CPU
     ones), whose offset each call advances, as flash-attn draws its Philox state; the backward
     reuses them. Returns out, or (out, lse) with return_lse=True (lse gets no gradient)."""
     if isinstance(alibi_slopes, torch.Tensor):
@@ -98,14 +98,21 @@ def _eager(function):
     return torch.compiler.disable(function, recursive=True)
 
 
+def _lengths_tensor(lengths, q):
+    """Per-sequence lengths given as an int (one for every sequence) or a list of ints as a host
+    int32 tensor, whose values the checks then read; other values as given."""
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and calls.is_int(lengths, -(2**31), 2**31):
+        return torch.full((q.shape[0],), lengths, dtype=torch.int32)
+    if isinstance(lengths, (list, tuple)) and all(calls.is_int(n, -(2**31), 2**31) for n in lengths):
+        return torch.tensor(lengths, dtype=torch.int32)
+    return lengths
+
+
 def _key_lengths(seqlens_k, q):
-    """seqlens_k as the operators carry it: an int or a list of ints as a host int32 tensor (checked
-    there, as `attention_decode`'s lengths), a CUDA integer tensor as int32 (what the kernels
-    read); other values as given (the checks name what is wrong)."""
-    if isinstance(q, torch.Tensor) and q.dim() == 4 and calls.is_int(seqlens_k, -(2**31), 2**31):
-        return torch.full((q.shape[0],), seqlens_k, dtype=torch.int32)
-    if isinstance(seqlens_k, (list, tuple)) and all(calls.is_int(n, -(2**31), 2**31) for n in seqlens_k):
-        return torch.tensor(seqlens_k, dtype=torch.int32)
+    """seqlens_k as the operators carry it: an int or a list as `_lengths_tensor` makes it, a CUDA
+    integer tensor as int32 (what the kernels read); other values as given (the checks name what
+    is wrong)."""
+    seqlens_k = _lengths_tensor(seqlens_k, q)
     if (isinstance(seqlens_k, torch.Tensor) and seqlens_k.is_cuda and seqlens_k.dtype != torch.int32
             and not seqlens_k.is_floating_point() and not seqlens_k.is_complex() and seqlens_k.dtype != torch.bool):
         return seqlens_k.to(torch.int32)
@@ -488,11 +495,7 @@ def attention_decode(
     k_cache and v_cache (the append of k_new, v_new), so torch.compile traces a decoding step
     whole. cache_seqlens: an integer tensor (a CUDA one is used as given, never read back), an int,
     a list, or None. No gradient. Returns out, or (out, lse) with return_lse=True."""
-    lengths = cache_seqlens
-    if isinstance(q, torch.Tensor) and q.dim() == 4 and calls.is_int(lengths, 0, 2**31):  # one length for every sequence
-        lengths = torch.full((q.shape[0],), lengths, dtype=torch.int32)  # host values, checked as such
-    elif isinstance(lengths, (list, tuple)) and all(calls.is_int(n, 0, 2**31) for n in lengths):
-        lengths = torch.tensor(lengths, dtype=torch.int32)
+    lengths = _lengths_tensor(cache_seqlens, q)
     args = _operator_args(q, k_cache, v_cache, causal, scale, window, softcap, alibi_slopes, 0.0, None, 0, False)
     carried = (args is not None and (lengths is None or isinstance(lengths, torch.Tensor))
                and all(x is None or isinstance(x, torch.Tensor) for x in (k_new, v_new))
